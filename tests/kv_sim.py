@@ -1,0 +1,376 @@
+"""A CPU stand-in for vLLM's model runner around the real Scheduler and connector.
+
+Everything vLLM-side is real: VllmConfig, KVCacheConfig from vLLM's own
+planner, KV tensors from vLLM's own allocator, the V1 Scheduler, Requests with
+real block hashers, and both halves of DraftOffloadConnector. Only the model
+forward is simulated, because no attention kernel runs here: each step writes,
+for every computed position, KV that is a deterministic function of the token
+prefix (and, for EAGLE-style draft layers, of the next token too). A restore
+is correct exactly when the KV in the blocks equals what this function gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.plugins import load_general_plugins
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from vllm_draft_offload.connector import DraftOffloadConnector
+
+# The installed package's `vllm.general_plugins` entry point registers the name.
+load_general_plugins()
+
+VOCAB = 1000
+EOS = 2
+TARGET_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def write_tiny_llama(path: Path, layers: int, heads: int, kv_heads: int, head_dim: int) -> Path:
+    """A config-only Llama directory: the scheduler never loads weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": heads * head_dim,
+        "intermediate_size": 2 * heads * head_dim,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": EOS,
+        "torch_dtype": "float32",
+        "rms_norm_eps": 1e-5,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@dataclass
+class SimSetup:
+    """Which KV geometry the simulated engine has."""
+
+    draft_layout: str = "shared_group"  # or "separate_group"
+    eagle: bool = False  # draft KV at p depends on token p+1
+    chunk_size: int = 32
+    cpu_units: int = 64
+    num_gpu_blocks: int = 96
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+def _draft_spec(setup: SimSetup) -> FullAttentionSpec:
+    if setup.draft_layout == "shared_group":
+        # Different heads, head size and dtype than the target, same group.
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    else:
+        # Own group: other block size, heads, head size and dtype; vLLM pages
+        # of one layout must match, so 32 tokens x 2 heads x 16 x bf16 = 4 KiB.
+        spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    return dataclasses.replace(spec, is_draft=True)
+
+
+def build_kv_cache_config(vllm_config: VllmConfig, setup: SimSetup) -> KVCacheConfig:
+    target = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    draft_name = (
+        "draft_model.model.layers.0.self_attn.attn"
+        if not setup.eagle
+        else f"model.layers.{len(TARGET_LAYERS)}.self_attn.attn"
+    )
+    draft = _draft_spec(setup)
+    if setup.draft_layout == "shared_group":
+        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+        specs = {name: target for name in TARGET_LAYERS} | {draft_name: draft}
+        groups = [
+            KVCacheGroupSpec(
+                list(specs),
+                UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs),
+                is_eagle_group=setup.eagle,
+            )
+        ]
+    else:
+        groups = [
+            KVCacheGroupSpec(list(TARGET_LAYERS), target),
+            KVCacheGroupSpec([draft_name], draft, is_eagle_group=setup.eagle),
+        ]
+    page_bytes = sum(
+        spec.page_size_bytes
+        for group in groups
+        for spec in (
+            group.kv_cache_spec.kv_cache_specs.values()
+            if hasattr(group.kv_cache_spec, "kv_cache_specs")
+            else [group.kv_cache_spec] * len(group.layer_names)
+        )
+    )
+    config = get_kv_cache_config_from_groups(
+        vllm_config, groups, page_bytes * (setup.num_gpu_blocks + 1)
+    )
+    config.num_blocks = setup.num_gpu_blocks
+    config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+    return config
+
+
+def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmConfig:
+    model_config = ModelConfig(
+        model=str(model_dir),
+        dtype="float32",
+        seed=0,
+        max_model_len=2048,
+        skip_tokenizer_init=True,
+    )
+    extra = {"chunk_size": setup.chunk_size, **setup.extra_config}
+    if setup.eagle:
+        extra.setdefault("successor_tokens", 1)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="DraftOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+        speculative_config=SpeculativeConfig(
+            method="draft_model",
+            model=str(draft_dir),
+            num_speculative_tokens=2,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        ),
+    )
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    return vllm_config
+
+
+def kv_value(layer: str, prefix: tuple[int, ...]) -> float:
+    """Deterministic KV content for a position: exact in bf16 and fp32."""
+    digest = hashlib.blake2b(repr((layer, prefix)).encode(), digest_size=4).digest()
+    return (int.from_bytes(digest, "little") % 255 - 127) / 8.0
+
+
+def next_token(tokens: list[int]) -> int:
+    """The simulated model's greedy choice: a function of the context."""
+    return (sum(tokens[-3:]) * 31 + len(tokens) * 7) % (VOCAB - 10) + 10
+
+
+class SimEngine:
+    def __init__(self, model_dir: Path, draft_dir: Path, setup: SimSetup) -> None:
+        self.setup = setup
+        self.vllm_config = make_vllm_config(model_dir, draft_dir, setup)
+        kv_cache_config = build_kv_cache_config(self.vllm_config, setup)
+        self.kv_cache_config = kv_cache_config
+        self.unit_bytes = self._unit_bytes(kv_cache_config)
+        extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
+        extra.setdefault("cpu_bytes_to_use", self.unit_bytes * setup.cpu_units)
+        self.vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self.kv_caches = allocate_kv_cache(
+            kv_cache_config,
+            torch.device("cpu"),
+            self.vllm_config.cache_config.get_resolved_kv_cache_layout(),
+        )
+        self.worker = DraftOffloadConnector(
+            self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
+        )
+        self.worker.register_kv_caches(self.kv_caches)
+        scheduler_kv_cache_config = generate_scheduler_kv_cache_config([kv_cache_config])
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+            scheduler_kv_cache_config, self.vllm_config
+        )
+        for config in (kv_cache_config, scheduler_kv_cache_config):
+            config.hash_block_size = hash_block_size
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=scheduler_kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            log_stats=True,
+        )
+        init_none_hash(sha256)
+        self.block_hasher = get_request_block_hasher(hash_block_size, sha256)
+        self.outputs: dict[str, list[int]] = {}
+        self.external_hits: dict[str, int] = {}
+        self.group_of = {
+            name: gid
+            for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
+        self.block_size_of = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        self.draft_names = {name for name in self.kv_caches if name not in TARGET_LAYERS}
+
+    @staticmethod
+    def _unit_bytes(kv_cache_config: KVCacheConfig) -> int:
+        from vllm_draft_offload.geometry import build_unit_layout
+
+        return build_unit_layout(kv_cache_config, 32).unit_bytes
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+        )
+        self.scheduler.add_request(request)
+        self.outputs[req_id] = []
+
+    def run_until_done(self, max_steps: int = 400) -> None:
+        for _ in range(max_steps):
+            if (
+                not self.scheduler.has_requests()
+                and not self.scheduler.connector.scheduler.has_inflight_jobs()
+            ):
+                return
+            self.step()
+        raise AssertionError("simulation did not finish")
+
+    # -------------------------------------------------------------------- step
+
+    def _write_position(self, request: Request, position: int, successor: int | None) -> None:
+        tokens = request.all_token_ids
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        for name, tensor in self.kv_caches.items():
+            group = self.group_of[name]
+            block_size = self.block_size_of[group]
+            block = block_ids[group][position // block_size]
+            prefix = tuple(tokens[: position + 1])
+            if self.setup.eagle and name in self.draft_names:
+                prefix = (*prefix, successor)
+            value = kv_value(name, prefix)
+            pattern = value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4
+            tensor[block, :, position % block_size, :] = pattern.to(tensor.dtype)
+
+    def expected_position(self, name: str, tokens: list[int], position: int) -> torch.Tensor:
+        tensor = self.kv_caches[name]
+        prefix = tuple(tokens[: position + 1])
+        if self.setup.eagle and name in self.draft_names:
+            prefix = (*prefix, tokens[position + 1])
+        value = kv_value(name, prefix)
+        return (value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4).to(tensor.dtype)
+
+    def step(self) -> Any:
+        sched_out = self.scheduler.schedule()
+        for new in sched_out.scheduled_new_reqs:
+            self.external_hits[new.req_id] = self.scheduler.connector.scheduler.restored_tokens(
+                new.req_id
+            )
+        meta = sched_out.kv_connector_metadata
+        worker = self.worker
+        worker.bind_connector_metadata(meta)
+        worker.handle_preemptions(meta)
+        worker.start_load_kv(None)
+        sampled: dict[str, int] = {}
+        for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            start = request.num_computed_tokens - num_tokens  # already advanced
+            tokens = request.all_token_ids
+            end = start + num_tokens
+            if end >= len(tokens):
+                sampled[req_id] = next_token(list(tokens))
+            for position in range(start, end):
+                successor = tokens[position + 1] if position + 1 < len(tokens) else sampled[req_id]
+                for name in self.kv_caches:
+                    worker.wait_for_layer_load(name)
+                self._write_position(request, position, successor)
+        worker.wait_for_save()
+        finished_sending, finished_recving = worker.get_finished(sched_out.finished_req_ids)
+        kv_out = KVConnectorOutput(
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+        )
+        worker.clear_connector_metadata()
+        req_ids = list(sched_out.num_scheduled_tokens)
+        runner_out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=kv_out,
+        )
+        engine_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        # Tokens the engine accepted (a step whose KV load failed emits none).
+        for outputs in engine_outputs.values():
+            for output in outputs.outputs:
+                self.outputs[output.request_id] += output.new_token_ids
+        return sched_out
+
+    def mismatched_positions(self, req_id: str) -> list[tuple[str, int]]:
+        """(layer, position) pairs whose KV differs from a fresh prefill's."""
+        request = self.scheduler.requests[req_id]
+        tokens = list(request.all_token_ids)
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        bad = []
+        for name, tensor in self.kv_caches.items():
+            group = self.group_of[name]
+            block_size = self.block_size_of[group]
+            for position in range(request.num_computed_tokens):
+                block = block_ids[group][position // block_size]
+                actual = tensor[block, :, position % block_size, :]
+                expected = self.expected_position(name, tokens, position)
+                if not torch.equal(actual, expected.expand_as(actual)):
+                    bad.append((name, position))
+        return bad
+
+    def run_prefill(self, req_id: str, max_steps: int = 50) -> None:
+        """Step until `req_id` has computed its whole prompt."""
+        for _ in range(max_steps):
+            self.step()
+            request = self.scheduler.requests.get(req_id)
+            if request is not None and request.num_computed_tokens >= request.num_prompt_tokens:
+                return
+        raise AssertionError(f"{req_id} did not finish its prefill")
+
+    def corrupt_device_kv(self) -> None:
+        """Overwrite every GPU block: whatever a later request reads must be loaded."""
+        for tensor in self.kv_caches.values():
+            tensor.fill_(-999.0)

@@ -1,0 +1,239 @@
+"""DraftOffloadConnector end to end through the real vLLM Scheduler on CPU tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kv_sim import SimEngine, SimSetup, write_tiny_llama
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from vllm_draft_offload.config import ConfigError
+from vllm_draft_offload.connector import DraftOffloadConnector
+from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
+
+CHUNK = 32
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 37) % 900 + 10 for i in range(length)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return (
+        write_tiny_llama(root / "target", layers=2, heads=1, kv_heads=1, head_dim=32),
+        write_tiny_llama(root / "draft", layers=1, heads=2, kv_heads=2, head_dim=64),
+    )
+
+
+def engine(model_dirs: tuple[Path, Path], **kwargs: object) -> SimEngine:
+    return SimEngine(*model_dirs, SimSetup(**kwargs))
+
+
+def index_of(eng: SimEngine):
+    return eng.scheduler.connector.scheduler.index
+
+
+@pytest.mark.parametrize("draft_layout", ["shared_group", "separate_group"])
+@pytest.mark.parametrize("eagle", [False, True])
+def test_round_trip_is_bit_exact_for_every_layer(
+    model_dirs: tuple[Path, Path], draft_layout: str, eagle: bool
+) -> None:
+    eng = engine(model_dirs, draft_layout=draft_layout, eagle=eagle)
+    tokens = prompt(1, 4 * CHUNK + 5)
+    eng.add_request("fresh", tokens, max_tokens=4)
+    eng.run_until_done()
+    assert len(index_of(eng)) == 4
+
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.add_request("restored", tokens, max_tokens=4)
+    eng.run_prefill("restored")
+    assert eng.external_hits["restored"] == 4 * CHUNK
+    assert eng.mismatched_positions("restored") == []
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]
+
+
+def test_corrupt_host_copy_is_detected(model_dirs: tuple[Path, Path]) -> None:
+    """Negative control: the bit-exact check notices a damaged draft layer."""
+    eng = engine(model_dirs)
+    tokens = prompt(2, 2 * CHUNK + 3)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    worker = eng.worker.worker
+    draft = next(slot for slot in worker.layout.layers if slot.is_draft)
+    for entry in list(index_of(eng)._entries.values()):
+        unit = worker.pool.unit_view(entry.slot)
+        unit[draft.offset : draft.offset + draft.nbytes] ^= 0x55
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.add_request("restored", tokens, max_tokens=2)
+    eng.run_prefill("restored")
+    bad_layers = {name for name, _ in eng.mismatched_positions("restored")}
+    assert bad_layers == {draft.name}
+
+
+def test_unit_needs_every_worker_part(model_dirs: tuple[Path, Path]) -> None:
+    """With two workers, a unit one of them failed to store is never served."""
+    eng = engine(model_dirs)
+    sched = eng.scheduler.connector.scheduler
+    sched.world_size = 2
+    tokens = prompt(3, 2 * CHUNK + 1)
+    eng.add_request("a", tokens, max_tokens=1)
+    sched_out = eng.scheduler.schedule()
+    store_ids = [job.job_id for job in sched_out.kv_connector_metadata.stores]
+    assert store_ids
+    ok = DraftOffloadWorkerMetadata(completed_jobs=dict.fromkeys(store_ids, 1))
+    failed = DraftOffloadWorkerMetadata(failed_jobs=dict.fromkeys(store_ids, 1))
+    from vllm.v1.outputs import KVConnectorOutput
+
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=ok))
+    assert all(not e.ready for e in index_of(eng)._entries.values())
+    sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=ok.aggregate(failed).aggregate(ok))
+    )
+    assert len(index_of(eng)) == 0
+    request = eng.scheduler.requests["a"]
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_eagle_successor_mismatch_recomputes_one_token(model_dirs: tuple[Path, Path]) -> None:
+    eng = engine(model_dirs, eagle=True)
+    shared = prompt(4, 3 * CHUNK)
+    eng.add_request("x", [*shared, 11, *prompt(5, 20)], max_tokens=2)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+
+    # Same prefix, different token after the chunk boundary: the last chunk is
+    # loaded but its last position is recomputed, so its draft KV is rebuilt.
+    eng.add_request("y", [*shared, 12, *prompt(6, 20)], max_tokens=2)
+    eng.run_prefill("y")
+    assert eng.external_hits["y"] == 3 * CHUNK - 1
+    assert eng.mismatched_positions("y") == []
+    eng.run_until_done()
+
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.add_request("x2", [*shared, 11, *prompt(7, 40)], max_tokens=2)
+    eng.run_prefill("x2")
+    assert eng.external_hits["x2"] == 3 * CHUNK
+    assert eng.mismatched_positions("x2") == []
+
+
+def test_eagle_without_successor_check_would_serve_stale_draft_kv(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """Negative control: with the successor rule off, the draft KV is stale."""
+    eng = engine(model_dirs, eagle=True, extra_config={"successor_tokens": 0})
+    shared = prompt(8, 2 * CHUNK)
+    eng.add_request("x", [*shared, 11, *prompt(9, 10)], max_tokens=1)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.add_request("y", [*shared, 12, *prompt(10, 10)], max_tokens=1)
+    eng.run_prefill("y")
+    assert eng.external_hits["y"] == 2 * CHUNK
+    stale = eng.mismatched_positions("y")
+    assert stale and all(pos == 2 * CHUNK - 1 for _, pos in stale)
+
+
+def test_chunk_ending_on_prompt_end_is_stored_with_sampled_successor(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    eng = engine(model_dirs, eagle=True)
+    tokens = prompt(11, 2 * CHUNK)
+    eng.add_request("a", tokens, max_tokens=3)
+    eng.run_until_done()
+    first_output = eng.outputs["a"][0]
+    successors = {entry.successors for entry in index_of(eng)._entries.values()}
+    assert (first_output,) in successors
+    # A follow-up turn that continues with the model's own answer reuses both chunks.
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.add_request("turn2", [*tokens, *eng.outputs["a"], *prompt(12, 9)], max_tokens=1)
+    eng.run_prefill("turn2")
+    assert eng.external_hits["turn2"] >= 2 * CHUNK
+    assert eng.mismatched_positions("turn2") == []
+
+
+def test_budget_and_lru_under_many_requests(model_dirs: tuple[Path, Path]) -> None:
+    eng = engine(model_dirs, cpu_units=6)
+    worker = eng.worker.worker
+    budget = eng.vllm_config.kv_transfer_config.kv_connector_extra_config["cpu_bytes_to_use"]
+    assert worker.pool.buffer.numel() <= budget
+    for i in range(12):
+        eng.add_request(f"r{i}", prompt(100 + i, 2 * CHUNK + 1), max_tokens=1)
+        eng.run_until_done()
+        assert len(index_of(eng)) <= 6
+    assert index_of(eng).num_evictions == 12 * 2 - 6
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    for i, expected in ((11, 2 * CHUNK), (0, 0)):
+        eng.add_request(f"again{i}", prompt(100 + i, 2 * CHUNK + 1), max_tokens=1)
+        eng.run_prefill(f"again{i}")
+        assert eng.external_hits[f"again{i}"] == expected
+        assert eng.mismatched_positions(f"again{i}") == []
+        eng.run_until_done()
+
+
+def test_failed_load_falls_back_to_recompute(model_dirs: tuple[Path, Path]) -> None:
+    eng = engine(model_dirs)
+    tokens = prompt(13, 2 * CHUNK + 7)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    # Damage the load plan the scheduler hands the worker: the worker must
+    # refuse it and report the blocks, and vLLM must recompute them.
+    sched = eng.scheduler.connector.scheduler
+    real_alloc = sched.update_state_after_alloc
+
+    def sabotage(request, blocks, num_external_tokens):  # noqa: ANN001, ANN202
+        real_alloc(request, blocks, num_external_tokens)
+        for job in sched._pending_loads:
+            job.host_pages[0][0] = 10**9
+
+    sched.update_state_after_alloc = sabotage
+    eng.add_request("restored", tokens, max_tokens=2)
+    eng.run_prefill("restored")
+    assert eng.mismatched_positions("restored") == []
+    sched.update_state_after_alloc = real_alloc
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]
+    assert len(index_of(eng)) == 0  # the units of the failed load are dropped
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"cpu_bytes_to_use": 1 << 30, "chunk_sise": 32}, "chunk_sise"),
+        ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1 << 30, "chunk_size": 24}, "chunk_size"),
+        ({"cpu_bytes_to_use": 1000}, "cpu_bytes_to_use"),
+        ({}, "cpu_bytes_to_use"),
+    ],
+)
+def test_bad_config_names_the_field(
+    model_dirs: tuple[Path, Path], extra: dict[str, object], field: str
+) -> None:
+    eng = engine(model_dirs)
+    eng.vllm_config.kv_transfer_config.kv_connector_extra_config = extra
+    with pytest.raises(ConfigError, match=field):
+        DraftOffloadConnector(eng.vllm_config, KVConnectorRole.SCHEDULER, eng.kv_cache_config)
+
+
+def test_layers_and_geometry_come_from_vllm(model_dirs: tuple[Path, Path]) -> None:
+    eng = engine(model_dirs, draft_layout="separate_group")
+    layout = eng.worker.worker.layout
+    drafts = [slot for slot in layout.layers if slot.is_draft]
+    assert [slot.name for slot in drafts] == ["draft_model.model.layers.0.self_attn.attn"]
+    assert [group.block_size for group in layout.groups] == [16, 32]
+    assert layout.unit_bytes == sum(slot.nbytes for slot in layout.layers)
+    draft_tensor = eng.kv_caches[drafts[0].name]
+    assert draft_tensor.dtype == torch.bfloat16
+    assert drafts[0].page_bytes == draft_tensor.stride(0) * draft_tensor.element_size()

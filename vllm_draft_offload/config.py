@@ -1,0 +1,97 @@
+"""`kv_connector_extra_config` schema for DraftOffloadConnector.
+
+Validated with pydantic at engine start, in every process that builds the
+connector, so a typo or an impossible value stops the engine with a message
+that names the field instead of silently running without offload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Keys LMCache reads itself; they are passed through to the L3 tier untouched.
+LMCACHE_KEY_PREFIX = "lmcache."
+
+
+class ConfigError(ValueError):
+    """A `kv_connector_extra_config` value is unknown, mistyped or impossible."""
+
+
+class L3Config(BaseModel):
+    """The LMCache storage tier behind the CPU tier."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    # LMCache's own settings (remote_url, local_disk, ...): an LMCACHE_CONFIG_FILE
+    # path, or `lmcache.*` keys collected from the extra config.
+    config_file: str | None = None
+    lmcache: dict[str, Any] = Field(default_factory=dict)
+    # Bytes of encoded units queued for L3 writes; past it new writes are
+    # dropped (counted), so a slow backend never stalls decode or grows memory.
+    max_pending_write_bytes: int = Field(default=1 << 30, gt=0)
+    io_threads: int = Field(default=2, ge=1, le=64)
+    timeout_s: float = Field(default=5.0, gt=0)
+
+
+class DraftOffloadConfig(BaseModel):
+    """Settings read from `kv_transfer_config.kv_connector_extra_config`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Pinned host memory for the CPU tier, per worker. Alias matches vLLM's
+    # native OffloadingConnector so configs can be swapped.
+    cpu_bytes: int = Field(gt=0, alias="cpu_bytes_to_use")
+    # Tokens per stored unit; a multiple of every KV-cache group's block size.
+    chunk_size: int = Field(default=256, gt=0)
+    # Tokens after a chunk whose identity its EAGLE draft KV depends on.
+    # None: derived from the speculative config (1 for EAGLE/EAGLE3/MTP,
+    # num_speculative_tokens for multi-module MTP, 0 otherwise).
+    successor_tokens: int | None = Field(default=None, ge=0, le=64)
+    # Also offload KV produced while decoding (multi-turn chat reuses it).
+    store_decode: bool = True
+    # Skip offloading prompts shorter than this many tokens.
+    min_store_tokens: int = Field(default=0, ge=0)
+    # Audit mode: verify per-layer checksums of every restored unit.
+    audit: bool = False
+    l3: L3Config = Field(default_factory=L3Config)
+
+    def check_geometry(self, unit_bytes: int, block_sizes: list[int]) -> None:
+        """Checks that need the engine's KV geometry; raise naming the field."""
+        for block_size in block_sizes:
+            if self.chunk_size % block_size:
+                raise ConfigError(
+                    f"kv_connector_extra_config.chunk_size={self.chunk_size} must be a "
+                    f"multiple of every KV-cache group's block size {sorted(set(block_sizes))}"
+                )
+        if self.cpu_bytes < unit_bytes:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes_to_use={self.cpu_bytes} is smaller "
+                f"than one chunk of target+draft KV ({unit_bytes} bytes for chunk_size="
+                f"{self.chunk_size}); raise it or lower chunk_size"
+            )
+
+
+def parse_config(extra_config: dict[str, Any] | None) -> DraftOffloadConfig:
+    """Build the config from vLLM's extra-config dict, naming bad fields."""
+    raw = dict(extra_config or {})
+    lmcache_keys = {
+        key[len(LMCACHE_KEY_PREFIX) :]: raw.pop(key)
+        for key in list(raw)
+        if key.startswith(LMCACHE_KEY_PREFIX)
+    }
+    if lmcache_keys:
+        l3 = dict(raw.get("l3") or {})
+        l3.setdefault("enabled", True)
+        l3["lmcache"] = {**l3.get("lmcache", {}), **lmcache_keys}
+        raw["l3"] = l3
+    try:
+        return DraftOffloadConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(part) for part in err["loc"]) or "<root>"
+            problems.append(f"kv_connector_extra_config.{field}: {err['msg']}")
+        raise ConfigError("invalid DraftOffloadConnector config: " + "; ".join(problems)) from None

@@ -1,0 +1,200 @@
+"""DraftOffloadConnector: vLLM's KV-connector interface wired to our halves."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from vllm_draft_offload.config import ConfigError, parse_config
+from vllm_draft_offload.geometry import (
+    build_unit_layout,
+    drafter_identity,
+    successor_tokens_needed,
+    target_identity,
+)
+from vllm_draft_offload.metadata import DraftOffloadMetadata, DraftOffloadWorkerMetadata
+from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
+from vllm_draft_offload.worker_side import DraftOffloadWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _draft_layer_names(vllm_config: VllmConfig) -> frozenset[str]:
+    context = vllm_config.compilation_config.static_forward_context
+    return frozenset(
+        name for name, layer in context.items() if getattr(layer, "is_draft_layer", False)
+    )
+
+
+class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads target and drafter KV of each chunk as one unit to a CPU tier."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("DraftOffloadConnector needs vLLM >= 0.33 (kv_cache_config)")
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None
+        self.config = parse_config(transfer_config.kv_connector_extra_config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ConfigError("DraftOffloadConnector does not support pipeline parallelism yet")
+        self._scheduler: DraftOffloadScheduler | None = None
+        self._worker: DraftOffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            layout = build_unit_layout(kv_cache_config, self.config.chunk_size)
+            self.config.check_geometry(layout.unit_bytes, [g.block_size for g in layout.groups])
+            num_successors = (
+                self.config.successor_tokens
+                if self.config.successor_tokens is not None
+                else successor_tokens_needed(vllm_config, layout)
+            )
+            identity = {
+                "target": target_identity(vllm_config),
+                "drafter": drafter_identity(vllm_config),
+            }
+            parallel = vllm_config.parallel_config
+            self._scheduler = DraftOffloadScheduler(
+                self.config,
+                layout,
+                identity,
+                num_successors,
+                world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+            )
+            # A failed restore must fall back to recomputing, never fail the request.
+            transfer_config.kv_load_failure_policy = "recompute"
+            logger.info(
+                "DraftOffloadConnector: chunk %d tokens, unit %.2f MiB (%.2f MiB draft), "
+                "%d CPU units, %d successor token(s) kept per chunk",
+                layout.chunk_size,
+                layout.unit_bytes / 2**20,
+                layout.draft_bytes / 2**20,
+                self._scheduler.index.num_slots,
+                num_successors,
+            )
+        else:
+            self._worker = DraftOffloadWorker(
+                self.config, kv_cache_config, _draft_layer_names(vllm_config)
+            )
+
+    @property
+    def scheduler(self) -> DraftOffloadScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> DraftOffloadWorker:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a preempted request loses nothing by recomputing.
+        return False
+
+    def _meta(self) -> DraftOffloadMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DraftOffloadMetadata)
+        return meta
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, DraftOffloadMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # Stores run once per step in wait_for_save, after the drafter's forward.
+        return None
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> DraftOffloadWorkerMetadata | None:
+        return self._worker.build_worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # --------------------------------------------------------- scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        self.scheduler.reset_cache()
+        return True

@@ -1,0 +1,241 @@
+"""Which KV layers make up a stored unit, and how their bytes are laid out.
+
+Everything here is derived from the `KVCacheConfig` vLLM hands to both the
+scheduler and the workers, never from model-config arithmetic: the set of
+layers is what vLLM actually allocated, drafter layers included, with each
+layer's own page size (a drafter may differ from the target in heads, head
+size or dtype, and may sit in its own group with its own block size).
+
+The scheduler's copy of the config replaces per-layer specs of a mixed group
+with one representative spec, so page sizes are read from
+`kv_cache_tensors` (the placement both sides share), not from specs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm_draft_offload.config import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+
+DRAFT_MODEL_PREFIX = "draft_model."
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """One layer's region inside a unit: `blocks_per_chunk` pages back to back."""
+
+    name: str
+    group_id: int
+    page_bytes: int
+    offset: int  # byte offset inside the unit
+    nbytes: int  # blocks_per_chunk * page_bytes
+    is_draft: bool
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    group_id: int
+    block_size: int
+    blocks_per_chunk: int
+    is_eagle_group: bool
+    layer_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """Byte layout of one chunk's unit: every offloaded layer of every group."""
+
+    chunk_size: int
+    groups: tuple[GroupLayout, ...]
+    layers: tuple[LayerSlot, ...]
+    unit_bytes: int
+    kv_cache_layout: str
+
+    @property
+    def draft_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers if layer.is_draft)
+
+    @property
+    def target_bytes(self) -> int:
+        return self.unit_bytes - self.draft_bytes
+
+    @property
+    def has_eagle_group(self) -> bool:
+        return any(group.is_eagle_group for group in self.groups)
+
+    def layer(self, name: str) -> LayerSlot:
+        return self._by_name[name]
+
+    @property
+    def _by_name(self) -> dict[str, LayerSlot]:
+        cached = self.__dict__.get("_by_name_cache")
+        if cached is None:
+            cached = {layer.name: layer for layer in self.layers}
+            object.__setattr__(self, "_by_name_cache", cached)
+        return cached
+
+    def fingerprint(self) -> str:
+        """Identity of the byte layout: two engines share units only if equal."""
+        desc = {
+            "chunk_size": self.chunk_size,
+            "layout": self.kv_cache_layout,
+            "groups": [[g.block_size, g.blocks_per_chunk, g.is_eagle_group] for g in self.groups],
+            "layers": [
+                [layer.name, layer.group_id, layer.page_bytes, layer.is_draft]
+                for layer in self.layers
+            ],
+        }
+        return hashlib.blake2b(json.dumps(desc).encode(), digest_size=16).hexdigest()
+
+
+def _page_bytes(tensor: KVCacheTensor, num_blocks: int) -> int:
+    # Layer-outermost placement gives each layer a contiguous region
+    # (layer_stride = page * num_blocks); block-outermost packs all layers of a
+    # block together (layer_stride = page).
+    if len(tensor.layers) == 1 or tensor.layer_stride >= tensor.block_stride * num_blocks:
+        return tensor.block_stride
+    return tensor.layer_stride
+
+
+def transferable_group_ids(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Groups whose KV is prefix-cached and transferable: the ones a hit covers."""
+    return [
+        group_id
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+        if group.enable_kv_transfer
+        and not group.host_resident
+        and group.kv_cache_spec.prefix_cacheable
+    ]
+
+
+def is_draft_layer_name(name: str, draft_layer_names: frozenset[str]) -> bool:
+    return name in draft_layer_names or name.startswith(DRAFT_MODEL_PREFIX)
+
+
+def build_unit_layout(
+    kv_cache_config: KVCacheConfig,
+    chunk_size: int,
+    draft_layer_names: frozenset[str] = frozenset(),
+) -> UnitLayout:
+    """Lay out one chunk of every offloaded layer, target and draft.
+
+    `draft_layer_names` comes from the worker's forward context where known;
+    the `draft_model.` prefix marks standalone drafters on either side.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    page_by_layer: dict[str, int] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        page = _page_bytes(tensor, kv_cache_config.num_blocks_of(tensor))
+        for name in tensor.layers:
+            page_by_layer[name] = page
+
+    groups: list[GroupLayout] = []
+    layers: list[LayerSlot] = []
+    offset = 0
+    for group_id in transferable_group_ids(kv_cache_config):
+        group = kv_cache_config.kv_cache_groups[group_id]
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
+        if not isinstance(spec, AttentionSpec | UniformTypeKVCacheSpecs):
+            raise ConfigError(
+                f"DraftOffloadConnector supports attention KV only; group {group_id} "
+                f"has {type(spec).__name__}"
+            )
+        block_size = spec.block_size
+        if chunk_size % block_size:
+            raise ConfigError(
+                f"kv_connector_extra_config.chunk_size={chunk_size} must be a multiple of "
+                f"KV-cache group {group_id}'s block size {block_size}"
+            )
+        blocks_per_chunk = chunk_size // block_size
+        for name in group.layer_names:
+            if name not in page_by_layer:
+                raise ConfigError(f"KV layer {name!r} has no KV-cache tensor placement")
+            page = page_by_layer[name]
+            layer_spec = specs.get(name)
+            if layer_spec is not None and layer_spec.page_size_bytes > page:
+                raise ConfigError(f"KV layer {name!r}: page larger than its placement")
+            nbytes = blocks_per_chunk * page
+            is_draft = is_draft_layer_name(name, draft_layer_names) or bool(
+                layer_spec is not None and layer_spec.is_draft
+            )
+            layers.append(LayerSlot(name, group_id, page, offset, nbytes, is_draft))
+            offset += nbytes
+        groups.append(
+            GroupLayout(
+                group_id,
+                block_size,
+                blocks_per_chunk,
+                group.is_eagle_group,
+                tuple(group.layer_names),
+            )
+        )
+    if not layers:
+        raise ConfigError("DraftOffloadConnector found no transferable KV layers")
+    return UnitLayout(
+        chunk_size=chunk_size,
+        groups=tuple(groups),
+        layers=tuple(layers),
+        unit_bytes=offset,
+        kv_cache_layout=str(kv_cache_config.kv_cache_layout),
+    )
+
+
+def successor_tokens_needed(vllm_config: VllmConfig, layout: UnitLayout) -> int:
+    """How many tokens after a chunk its stored draft KV depends on.
+
+    EAGLE/EAGLE3/MTP build draft KV at position i from token i+1; multi-module
+    MTP reads up to num_speculative_tokens ahead. A standalone draft model
+    depends only on the prefix. The method is read from the speculative config
+    as well as `is_eagle_group`, because vLLM leaves groups unflagged when the
+    block drop is disabled, and a stale draft position would go unnoticed.
+    """
+    spec = vllm_config.speculative_config
+    needs = layout.has_eagle_group
+    if spec is not None and spec.needs_eagle_block_drop():
+        needs = True
+    if not needs:
+        return 0
+    if spec is not None and spec.use_multi_module_mtp():
+        return int(spec.num_speculative_tokens)
+    return 1
+
+
+def drafter_identity(vllm_config: VllmConfig) -> dict[str, object]:
+    """What distinguishes one drafter's KV from another's."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.uses_draft_kv_cache():
+        return {"method": None}
+    draft = spec.draft_model_config
+    return {
+        "method": spec.method,
+        "model": getattr(draft, "model", None),
+        "revision": getattr(draft, "revision", None),
+        "dtype": str(getattr(draft, "dtype", None)),
+        "kv_cache_dtype": str(getattr(spec, "kv_cache_dtype", None)),
+        # Multi-module MTP writes a different draft KV per speculative depth.
+        "num_speculative_tokens": spec.num_speculative_tokens
+        if spec.use_multi_module_mtp()
+        else None,
+    }
+
+
+def target_identity(vllm_config: VllmConfig) -> dict[str, object]:
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return {
+        "model": model.model,
+        "revision": model.revision,
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "tp": parallel.tensor_parallel_size,
+        "pp": parallel.pipeline_parallel_size,
+    }

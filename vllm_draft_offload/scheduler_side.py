@@ -1,0 +1,318 @@
+"""Scheduler half of the connector: lookups, load/store planning, bookkeeping.
+
+It never touches tensors. It decides which host slot every unit lives in and
+tells the workers what to copy; workers report back which jobs are done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_draft_offload.chunk_keys import ChunkKeyChain, make_salt, request_salt
+from vllm_draft_offload.config import DraftOffloadConfig
+from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
+from vllm_draft_offload.geometry import UnitLayout
+from vllm_draft_offload.hit_logic import (
+    PrefixMatch,
+    StoredUnitView,
+    common_prefix_length,
+    match_prefix,
+    pages_for_chunk,
+    storable_chunk_limit,
+)
+from vllm_draft_offload.metadata import (
+    DraftOffloadMetadata,
+    DraftOffloadWorkerMetadata,
+    TransferJob,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    request: Request
+    keys: ChunkKeyChain
+    # Chunks below this index were stored or found already stored.
+    next_store_chunk: int = 0
+    pending_match: PrefixMatch | None = None
+    inflight_jobs: set[int] = field(default_factory=set)
+    restored_tokens: int = 0
+
+
+@dataclass
+class JobRecord:
+    req_id: str
+    direction: str
+    units: list[UnitId]
+    reports: int = 0
+    failed: bool = False
+
+
+class DraftOffloadScheduler:
+    def __init__(
+        self,
+        config: DraftOffloadConfig,
+        layout: UnitLayout,
+        identity: dict[str, object],
+        num_successors: int,
+        world_size: int,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.chunk_size = layout.chunk_size
+        self.num_successors = num_successors
+        self.world_size = world_size
+        self.salt = make_salt({**identity, "geometry": layout.fingerprint()})
+        num_slots = config.cpu_bytes // layout.unit_bytes
+        self.index = CpuTierIndex(num_slots)
+        self._requests: dict[str, RequestState] = {}
+        self._jobs: dict[int, JobRecord] = {}
+        self._job_ids = itertools.count(1)
+        self._pending_loads: list[TransferJob] = []
+        self._pending_finish_stores: list[TransferJob] = []
+        self._kv_cache_manager: KVCacheManager | None = None
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+
+    # ------------------------------------------------------------------ lookup
+
+    def _state(self, request: Request) -> RequestState | None:
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            return state
+        if request.mm_features or request.prompt_embeds is not None:
+            # Token ids alone do not identify multimodal or embedding inputs.
+            return None
+        lora = request.lora_request.lora_name if request.lora_request else None
+        salt = request_salt(self.salt, lora, request.cache_salt)
+        state = RequestState(request, ChunkKeyChain(salt, self.chunk_size))
+        self._requests[request.request_id] = state
+        return state
+
+    def on_new_request(self, request: Request) -> None:
+        self._state(request)
+
+    def _lookup(
+        self, chunk_key: bytes, successors: tuple[int, ...]
+    ) -> tuple[StoredUnitView | None, StoredUnitView | None]:
+        exact = self.index.get((chunk_key, successors))
+        if exact is not None and exact.ready:
+            return StoredUnitView(exact.unit_id, successors), None
+        variants = self.index.ready_variants(chunk_key)
+        if not variants:
+            return None, None
+        best = max(variants, key=lambda e: common_prefix_length(e.successors, successors))
+        return None, StoredUnitView(best.unit_id, best.successors)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        state = self._state(request)
+        if state is None:
+            return 0, False
+        tokens = request.all_token_ids
+        keys = state.keys.extend(tokens)
+        match = match_prefix(
+            keys, tokens, num_computed_tokens, self.chunk_size, self.num_successors, self._lookup
+        )
+        state.pending_match = match if match.num_tokens > 0 else None
+        return match.num_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        match, state.pending_match = state.pending_match, None
+        if num_external_tokens == 0 or match is None:
+            return
+        if match.num_tokens != num_external_tokens:
+            # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
+            match.end_token = match.start_token + num_external_tokens
+        block_ids = blocks.get_block_ids()
+        units: list[UnitId] = []
+        host_pages: list[list[int]] = [[] for _ in self.layout.groups]
+        gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
+        for chunk, view in match.chunks:
+            if chunk * self.chunk_size >= match.end_token:
+                break
+            unit_id: UnitId = view.handle  # type: ignore[assignment]
+            entry = self.index.get(unit_id)
+            assert entry is not None and entry.ready, "matched unit vanished before load"
+            self.index.pin(unit_id)
+            units.append(unit_id)
+            for g, group in enumerate(self.layout.groups):
+                for page in pages_for_chunk(
+                    chunk, self.chunk_size, group.block_size, match.start_token, match.end_token
+                ):
+                    host_pages[g].append(entry.slot * group.blocks_per_chunk + page)
+                    gpu_blocks[g].append(
+                        block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
+                    )
+        job = TransferJob(next(self._job_ids), request.request_id, "load", host_pages, gpu_blocks)
+        self._jobs[job.job_id] = JobRecord(request.request_id, "load", units)
+        state.inflight_jobs.add(job.job_id)
+        state.restored_tokens = match.num_tokens
+        # Chunks already in the tier need no store; skip past them.
+        state.next_store_chunk = max(state.next_store_chunk, match.end_token // self.chunk_size)
+        self._pending_loads.append(job)
+
+    # ------------------------------------------------------------------ stores
+
+    def _plan_stores(
+        self, state: RequestState, computed_after_step: int, block_ids: tuple[list[int], ...]
+    ) -> tuple[list[UnitId], list[list[int]], list[list[int]]]:
+        request = state.request
+        tokens = request.all_token_ids
+        limit = storable_chunk_limit(
+            len(tokens),
+            computed_after_step,
+            request.num_prompt_tokens,
+            self.chunk_size,
+            self.num_successors,
+            self.config.store_decode,
+        )
+        units: list[UnitId] = []
+        host_pages: list[list[int]] = [[] for _ in self.layout.groups]
+        gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
+        if limit <= state.next_store_chunk or len(tokens) < self.config.min_store_tokens:
+            return units, host_pages, gpu_blocks
+        keys = state.keys.extend(tokens)
+        for chunk in range(state.next_store_chunk, limit):
+            chunk_end = (chunk + 1) * self.chunk_size
+            successors = tuple(tokens[chunk_end : chunk_end + self.num_successors])
+            unit_id: UnitId = (keys[chunk], successors)
+            state.next_store_chunk = chunk + 1
+            if self.index.get(unit_id) is not None:
+                self.index.touch(unit_id)
+                continue
+            if self.index.ready_variants(keys[chunk]) and chunk_end + self.chunk_size > len(tokens):
+                # Another successor variant exists and this request has no
+                # further chunk to reuse behind it: a copy would buy one token.
+                continue
+            entry = self.index.reserve(unit_id)
+            if entry is None:
+                break  # every slot is storing or being loaded; try later chunks later
+            units.append(unit_id)
+            for g, group in enumerate(self.layout.groups):
+                first = chunk * group.blocks_per_chunk
+                for page in range(group.blocks_per_chunk):
+                    host_pages[g].append(entry.slot * group.blocks_per_chunk + page)
+                    gpu_blocks[g].append(block_ids[group.group_id][first + page])
+        return units, host_pages, gpu_blocks
+
+    def _store_job(
+        self,
+        state: RequestState,
+        computed_after_step: int,
+        block_ids: tuple[list[int], ...],
+        finishing: bool,
+    ) -> TransferJob | None:
+        units, host_pages, gpu_blocks = self._plan_stores(state, computed_after_step, block_ids)
+        if not units and not (finishing and state.inflight_jobs):
+            return None
+        job = TransferJob(
+            next(self._job_ids),
+            state.request.request_id,
+            "store",
+            host_pages,
+            gpu_blocks,
+            finishing=finishing,
+        )
+        self._jobs[job.job_id] = JobRecord(state.request.request_id, "store", units)
+        state.inflight_jobs.add(job.job_id)
+        return job
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DraftOffloadMetadata:
+        meta = DraftOffloadMetadata(loads=self._pending_loads, stores=self._pending_finish_stores)
+        self._pending_loads, self._pending_finish_stores = [], []
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            computed_after = state.request.num_computed_tokens + num_scheduled
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)
+            job = self._store_job(state, computed_after, block_ids, finishing=False)
+            if job is not None:
+                meta.stores.append(job)
+        preempted = scheduler_output.preempted_req_ids or set()
+        for req_id in preempted:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            if any(self._jobs[j].direction == "store" for j in state.inflight_jobs):
+                meta.flush_stores = True
+            # Its blocks are gone; a resumed request re-looks-up from scratch.
+            state.next_store_chunk = 0
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
+        if job is None:
+            return False, None
+        self._pending_finish_stores.append(job)
+        return True, None
+
+    # ------------------------------------------------------------- completion
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, DraftOffloadWorkerMetadata):
+            return
+        for job_id, count in meta.failed_jobs.items():
+            record = self._jobs.get(job_id)
+            if record is not None:
+                record.failed = True
+                record.reports += count
+                self._maybe_complete(job_id, record)
+        for job_id, count in meta.completed_jobs.items():
+            record = self._jobs.get(job_id)
+            if record is not None:
+                record.reports += count
+                self._maybe_complete(job_id, record)
+
+    def _maybe_complete(self, job_id: int, record: JobRecord) -> None:
+        if record.reports < self.world_size:
+            return
+        del self._jobs[job_id]
+        state = self._requests.get(record.req_id)
+        if state is not None:
+            state.inflight_jobs.discard(job_id)
+        for unit_id in record.units:
+            if record.direction == "load":
+                self.index.unpin(unit_id)
+                if record.failed:
+                    # A unit that failed to load (bad checksum) is never served again.
+                    self.index.remove(unit_id)
+            elif record.failed:
+                self.index.remove(unit_id)
+            else:
+                self.index.commit(unit_id)
+
+    def has_inflight_jobs(self) -> bool:
+        return bool(self._jobs)
+
+    def reset_cache(self) -> int:
+        return self.index.clear_unpinned()
+
+    def restored_tokens(self, req_id: str) -> int:
+        state = self._requests.get(req_id)
+        return state.restored_tokens if state is not None else 0

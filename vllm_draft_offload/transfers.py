@@ -1,0 +1,160 @@
+"""Byte-level copies between GPU KV blocks and the host pool.
+
+A copy is a batch of (src pointer, dst pointer, size) descriptors. On CUDA one
+batch goes to the driver in a single call (vLLM's `swap_blocks_batch`, i.e.
+cuMemcpyBatchAsync) on a side stream; on CPU tensors the same descriptors are
+executed with memmove, so CI runs the exact pointer arithmetic that runs on
+the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_draft_offload.geometry import LayerSlot, UnitLayout
+
+
+@dataclass(frozen=True)
+class LayerRegion:
+    """Where one layer's blocks live on the device, beside its slot in a unit."""
+
+    slot: LayerSlot
+    group_index: int  # position in UnitLayout.groups
+    blocks_per_chunk: int
+    device_base: int
+    device_block_stride: int
+    num_blocks: int
+
+
+class HostPool:
+    """The CPU tier's bytes: `num_slots` units, page-locked when a GPU is used."""
+
+    def __init__(self, num_slots: int, unit_bytes: int, pin: bool) -> None:
+        self.num_slots = num_slots
+        self.unit_bytes = unit_bytes
+        # A pageable allocation registered with the driver: torch's pinned
+        # allocator rounds sizes up to a power of two, which would overshoot the
+        # configured budget by up to 2x.
+        self.buffer = torch.empty(num_slots * unit_bytes, dtype=torch.uint8)
+        self.base = self.buffer.data_ptr()
+        self.pinned = False
+        if pin:
+            from vllm.v1.kv_offload.cpu.host_register import host_register
+
+            self.pinned = bool(host_register(self.base, self.buffer.numel()))
+
+    def unit_view(self, slot: int) -> torch.Tensor:
+        return self.buffer[slot * self.unit_bytes : (slot + 1) * self.unit_bytes]
+
+    def close(self) -> None:
+        if self.pinned:
+            from vllm.v1.kv_offload.cpu.host_register import host_unregister
+
+            host_unregister(self.base)
+            self.pinned = False
+
+
+@dataclass
+class Descriptors:
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    @staticmethod
+    def concat(parts: list[Descriptors]) -> Descriptors:
+        if not parts:
+            empty = np.empty(0, dtype=np.int64)
+            return Descriptors(empty, empty.copy(), empty.copy())
+        return Descriptors(
+            np.concatenate([p.src for p in parts]),
+            np.concatenate([p.dst for p in parts]),
+            np.concatenate([p.sizes for p in parts]),
+        )
+
+
+def layer_descriptors(
+    region: LayerRegion,
+    pool: HostPool,
+    host_pages: list[int],
+    device_blocks: list[int],
+    to_host: bool,
+) -> Descriptors:
+    """One descriptor per page of one layer."""
+    pages = np.asarray(host_pages, dtype=np.int64)
+    blocks = np.asarray(device_blocks, dtype=np.int64)
+    if len(pages) != len(blocks):
+        raise ValueError("host pages and device blocks differ in length")
+    if len(blocks) and (blocks.min() < 0 or blocks.max() >= region.num_blocks):
+        raise ValueError(f"block id out of range for layer {region.slot.name}")
+    slots, page_in_chunk = np.divmod(pages, region.blocks_per_chunk)
+    if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
+        raise ValueError("host slot out of range")
+    host = (
+        pool.base
+        + slots * pool.unit_bytes
+        + region.slot.offset
+        + page_in_chunk * region.slot.page_bytes
+    )
+    device = region.device_base + blocks * region.device_block_stride
+    sizes = np.full(len(pages), region.slot.page_bytes, dtype=np.int64)
+    return Descriptors(device, host, sizes) if to_host else Descriptors(host, device, sizes)
+
+
+def run_descriptors_on_host(desc: Descriptors) -> None:
+    """Synchronous memmove of every descriptor: the CPU-tensor path."""
+    for src, dst, size in zip(
+        desc.src.tolist(), desc.dst.tolist(), desc.sizes.tolist(), strict=True
+    ):
+        ctypes.memmove(dst, src, size)
+
+
+def run_descriptors_on_stream(desc: Descriptors, stream: torch.cuda.Stream) -> list[torch.Tensor]:
+    """Submit a batch to the driver on `stream`; returns tensors to keep alive."""
+    from vllm import _custom_ops as ops
+
+    src = torch.from_numpy(desc.src)
+    dst = torch.from_numpy(desc.dst)
+    sizes = torch.from_numpy(desc.sizes)
+    with torch.cuda.stream(stream):
+        ops.swap_blocks_batch(src, dst, sizes)
+    return [src, dst, sizes]
+
+
+def build_layer_regions(
+    layout: UnitLayout, kv_caches: dict[str, torch.Tensor], num_blocks: int
+) -> list[LayerRegion]:
+    """Map every unit layer to its device tensor, checking shapes agree."""
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    group_index = {group.group_id: i for i, group in enumerate(layout.groups)}
+    regions = []
+    for slot in layout.layers:
+        if slot.name not in kv_caches:
+            raise ValueError(f"vLLM registered no KV tensor for layer {slot.name!r}")
+        view = group_kernel_blocks(kv_caches[slot.name], num_blocks)
+        block_stride = view.stride(0) * view.element_size()
+        if view.shape[0] != num_blocks or block_stride < slot.page_bytes:
+            raise ValueError(
+                f"KV tensor of {slot.name!r} (shape {tuple(view.shape)}, block stride "
+                f"{block_stride} B) does not hold {num_blocks} pages of {slot.page_bytes} B"
+            )
+        index = group_index[slot.group_id]
+        regions.append(
+            LayerRegion(
+                slot=slot,
+                group_index=index,
+                blocks_per_chunk=layout.groups[index].blocks_per_chunk,
+                device_base=view.data_ptr(),
+                device_block_stride=block_stride,
+                num_blocks=num_blocks,
+            )
+        )
+    return regions

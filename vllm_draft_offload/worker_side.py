@@ -1,0 +1,299 @@
+"""Worker half of the connector: executes the scheduler's copy jobs.
+
+Loads are issued in `start_load_kv`, one batched copy per layer on a side
+stream with an event per layer; `wait_for_layer_load` makes the compute stream
+wait only for that layer, so restoring overlaps the forward layer by layer.
+Draft layers are copied last, since the drafter runs after the target.
+
+Stores are issued in `wait_for_save`, which vLLM calls after the drafter's
+forward, so draft KV is complete. They run on another side stream after an
+event recorded on the compute stream; their source blocks stay alive because
+running requests keep their blocks, finished requests are held by vLLM until
+we report them in `finished_sending`, and a preemption makes us drain stores
+before the next forward (`handle_preemptions`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_draft_offload.config import DraftOffloadConfig
+from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
+from vllm_draft_offload.metadata import (
+    DraftOffloadMetadata,
+    DraftOffloadWorkerMetadata,
+    TransferJob,
+)
+from vllm_draft_offload.transfers import (
+    Descriptors,
+    HostPool,
+    LayerRegion,
+    build_layer_regions,
+    layer_descriptors,
+    run_descriptors_on_host,
+    run_descriptors_on_stream,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InflightStore:
+    job: TransferJob
+    event: torch.Event | None
+    keepalive: list[torch.Tensor] = field(default_factory=list)
+    num_bytes: int = 0
+    started: float = 0.0
+
+
+@dataclass
+class TransferTotals:
+    """Bytes and chunks moved since the last report; read by the stats hook."""
+
+    load_target_bytes: int = 0
+    load_draft_bytes: int = 0
+    store_target_bytes: int = 0
+    store_draft_bytes: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+    store_seconds: list[float] = field(default_factory=list)
+
+
+class DraftOffloadWorker:
+    def __init__(
+        self,
+        config: DraftOffloadConfig,
+        kv_cache_config: KVCacheConfig,
+        draft_layer_names: frozenset[str],
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.draft_layer_names = draft_layer_names
+        self.layout: UnitLayout | None = None
+        self.pool: HostPool | None = None
+        self.regions: list[LayerRegion] = []
+        self._aliases: dict[str, str] = {}
+        self._on_device = False
+        self._load_stream: torch.cuda.Stream | None = None
+        self._store_stream: torch.cuda.Stream | None = None
+        self._layer_events: dict[str, torch.Event] = {}
+        self._last_load_event: torch.Event | None = None
+        self._load_keepalive: list[torch.Tensor] = []
+        self._stores: list[InflightStore] = []
+        self._req_store_jobs: dict[str, set[int]] = defaultdict(set)
+        self._finishing_reqs: set[str] = set()
+        self._worker_meta = DraftOffloadWorkerMetadata()
+        self._load_error_blocks: set[int] = set()
+        self.totals = TransferTotals()
+
+    # ------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = build_unit_layout(
+            self.kv_cache_config, self.config.chunk_size, self.draft_layer_names
+        )
+        # KV-sharing layers alias another layer's tensor: move the bytes once and
+        # let either name's wait_for_layer_load find the owner's event.
+        layout_names = {slot.name for slot in layout.layers}
+        owner_by_view = {
+            (kv_caches[name].data_ptr(), kv_caches[name].stride()): name for name in layout_names
+        }
+        self._aliases = {
+            name: owner_by_view[(tensor.data_ptr(), tensor.stride())]
+            for name, tensor in kv_caches.items()
+            if name not in layout_names and (tensor.data_ptr(), tensor.stride()) in owner_by_view
+        }
+        self.regions = build_layer_regions(layout, kv_caches, self.kv_cache_config.num_blocks)
+        self.layout = layout
+        sample = kv_caches[layout.layers[0].name]
+        self._on_device = sample.is_cuda
+        num_slots = self.config.cpu_bytes // layout.unit_bytes
+        self.pool = HostPool(num_slots, layout.unit_bytes, pin=self._on_device)
+        if self._on_device:
+            self._load_stream = torch.cuda.Stream()
+            self._store_stream = torch.cuda.Stream()
+        logger.info(
+            "DraftOffloadConnector: %d layers (%d draft) in %d group(s), unit %.2f MiB "
+            "(draft %.2f MiB), CPU tier %d units, pinned=%s",
+            len(layout.layers),
+            sum(layer.is_draft for layer in layout.layers),
+            len(layout.groups),
+            layout.unit_bytes / 2**20,
+            layout.draft_bytes / 2**20,
+            num_slots,
+            self.pool.pinned,
+        )
+
+    # ------------------------------------------------------------------ loads
+
+    def _job_descriptors(
+        self, region: LayerRegion, jobs: list[TransferJob], to_host: bool
+    ) -> Descriptors:
+        assert self.pool is not None
+        return Descriptors.concat(
+            [
+                layer_descriptors(
+                    region,
+                    self.pool,
+                    job.host_pages[region.group_index],
+                    job.gpu_blocks[region.group_index],
+                    to_host,
+                )
+                for job in jobs
+            ]
+        )
+
+    def _ordered_regions(self) -> list[LayerRegion]:
+        # Target layers first: the drafter runs after the whole target forward.
+        return sorted(self.regions, key=lambda r: r.slot.is_draft)
+
+    def _valid_loads(self, jobs: list[TransferJob]) -> list[TransferJob]:
+        """Jobs whose copies can be built; the rest are reported for recompute."""
+        valid = []
+        for job in jobs:
+            try:
+                for region in self.regions:
+                    self._job_descriptors(region, [job], to_host=False)
+            except ValueError as exc:
+                logger.warning("DraftOffloadConnector: load job %d refused: %s", job.job_id, exc)
+                self._fail_load(job)
+                continue
+            valid.append(job)
+        return valid
+
+    def _fail_load(self, job: TransferJob) -> None:
+        self._worker_meta.failed_jobs[job.job_id] = 1
+        for blocks in job.gpu_blocks:
+            self._load_error_blocks.update(blocks)
+
+    def start_load_kv(self, meta: DraftOffloadMetadata) -> None:
+        loads = self._valid_loads(meta.loads)
+        if not loads:
+            return
+        started = time.perf_counter()
+        num_bytes = {True: 0, False: 0}
+        if self._on_device:
+            assert self._load_stream is not None
+            # New blocks may have been written by the previous step's kernels.
+            self._load_stream.wait_stream(torch.cuda.current_stream())
+        for region in self._ordered_regions():
+            desc = self._job_descriptors(region, loads, to_host=False)
+            num_bytes[region.slot.is_draft] += desc.num_bytes
+            if self._on_device:
+                assert self._load_stream is not None
+                self._load_keepalive += run_descriptors_on_stream(desc, self._load_stream)
+                event = torch.cuda.Event()
+                event.record(self._load_stream)
+                self._layer_events[region.slot.name] = event
+                self._last_load_event = event
+            else:
+                run_descriptors_on_host(desc)
+        self.totals.load_target_bytes += num_bytes[False]
+        self.totals.load_draft_bytes += num_bytes[True]
+        if not self._on_device:
+            self.totals.load_seconds.append(time.perf_counter() - started)
+        for job in loads:
+            self._worker_meta.completed_jobs[job.job_id] = 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        event = self._layer_events.pop(self._aliases.get(layer_name, layer_name), None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _finish_loads(self) -> None:
+        # Layers the forward did not wait for (e.g. a step without drafting)
+        # must still be in place before the next step reads them.
+        if self._last_load_event is not None:
+            torch.cuda.current_stream().wait_event(self._last_load_event)
+            self._last_load_event = None
+        self._layer_events.clear()
+        self._load_keepalive = []
+
+    # ----------------------------------------------------------------- stores
+
+    def handle_preemptions(self, meta: DraftOffloadMetadata) -> None:
+        if meta.flush_stores:
+            for store in self._stores:
+                if store.event is not None:
+                    store.event.synchronize()
+
+    def wait_for_save(self, meta: DraftOffloadMetadata) -> None:
+        self._finish_loads()
+        if not meta.stores:
+            return
+        for job in meta.stores:
+            self._req_store_jobs[job.req_id].add(job.job_id)
+            if job.finishing:
+                self._finishing_reqs.add(job.req_id)
+        if self._on_device:
+            assert self._store_stream is not None
+            self._store_stream.wait_stream(torch.cuda.current_stream())
+        for job in meta.stores:
+            parts = [self._job_descriptors(r, [job], to_host=True) for r in self.regions]
+            desc = Descriptors.concat(parts)
+            draft = sum(
+                p.num_bytes for p, r in zip(parts, self.regions, strict=True) if r.slot.is_draft
+            )
+            self.totals.store_draft_bytes += draft
+            self.totals.store_target_bytes += desc.num_bytes - draft
+            store = InflightStore(job, None, num_bytes=desc.num_bytes, started=time.perf_counter())
+            if self._on_device and desc.num_bytes:
+                assert self._store_stream is not None
+                store.keepalive = run_descriptors_on_stream(desc, self._store_stream)
+                store.event = torch.cuda.Event()
+                store.event.record(self._store_stream)
+            else:
+                run_descriptors_on_host(desc)
+            self._stores.append(store)
+
+    def _poll_stores(self) -> set[str]:
+        """Retire completed stores; return finished requests with nothing left in flight."""
+        still_running = []
+        done_reqs = set()
+        for store in self._stores:
+            if store.event is not None and not store.event.query():
+                still_running.append(store)
+                continue
+            job = store.job
+            self._worker_meta.completed_jobs[job.job_id] = 1
+            self.totals.store_seconds.append(time.perf_counter() - store.started)
+            jobs = self._req_store_jobs[job.req_id]
+            jobs.discard(job.job_id)
+            if not jobs:
+                del self._req_store_jobs[job.req_id]
+                if job.req_id in self._finishing_reqs:
+                    self._finishing_reqs.discard(job.req_id)
+                    done_reqs.add(job.req_id)
+        self._stores = still_running
+        return done_reqs
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self._poll_stores()
+        return (done or None), None
+
+    def build_worker_meta(self) -> DraftOffloadWorkerMetadata | None:
+        meta = self._worker_meta
+        if not meta.completed_jobs and not meta.failed_jobs:
+            return None
+        self._worker_meta = DraftOffloadWorkerMetadata()
+        return meta
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
+
+    def shutdown(self) -> None:
+        for store in self._stores:
+            if store.event is not None:
+                store.event.synchronize()
+        self._stores.clear()
+        if self.pool is not None:
+            self.pool.close()
