@@ -50,10 +50,16 @@ def test_round_trip_is_bit_exact_for_every_layer(
 
     eng.scheduler.reset_prefix_cache()
     eng.corrupt_device_kv()
+    worker = eng.worker.worker
+    worker.stats.take()
     eng.add_request("restored", tokens, max_tokens=4)
     eng.run_prefill("restored")
     assert eng.external_hits["restored"] == 4 * CHUNK
     assert eng.mismatched_positions("restored") == []
+    moved = worker.stats.take().data
+    assert moved["chunks"]["load/cpu"] == 4
+    assert moved["bytes"]["load/cpu/draft"] == 4 * worker.layout.draft_bytes
+    assert moved["bytes"]["load/cpu/target"] == 4 * worker.layout.target_bytes
     eng.run_until_done()
     assert eng.outputs["restored"] == eng.outputs["fresh"]
 

@@ -12,6 +12,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.geometry import (
@@ -21,6 +27,7 @@ from vllm_draft_offload.geometry import (
     target_identity,
 )
 from vllm_draft_offload.metadata import DraftOffloadMetadata, DraftOffloadWorkerMetadata
+from vllm_draft_offload.metrics import build_kv_connector_stats, build_prom_metrics
 from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
 from vllm_draft_offload.worker_side import DraftOffloadWorker
 
@@ -42,6 +49,15 @@ def _draft_layer_names(vllm_config: VllmConfig) -> frozenset[str]:
     return frozenset(
         name for name, layer in context.items() if getattr(layer, "is_draft_layer", False)
     )
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):
+        return 0  # no parallel groups (tests, single process)
 
 
 class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
@@ -98,6 +114,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = DraftOffloadWorker(
                 self.config, kv_cache_config, _draft_layer_names(vllm_config)
             )
+            self._worker.counts_chunks = _tp_rank() == 0
 
     @property
     def scheduler(self) -> DraftOffloadScheduler:
@@ -194,6 +211,28 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    # ---------------------------------------------------------------- metrics
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool | None:
         self.scheduler.reset_cache()

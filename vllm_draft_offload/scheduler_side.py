@@ -28,6 +28,7 @@ from vllm_draft_offload.metadata import (
     DraftOffloadWorkerMetadata,
     TransferJob,
 )
+from vllm_draft_offload.metrics import DraftOffloadStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -81,6 +82,7 @@ class DraftOffloadScheduler:
         self._pending_loads: list[TransferJob] = []
         self._pending_finish_stores: list[TransferJob] = []
         self._kv_cache_manager: KVCacheManager | None = None
+        self.stats = DraftOffloadStats()
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -127,6 +129,13 @@ class DraftOffloadScheduler:
             keys, tokens, num_computed_tokens, self.chunk_size, self.num_successors, self._lookup
         )
         state.pending_match = match if match.num_tokens > 0 else None
+        lookable = max(0, len(tokens) // self.chunk_size - num_computed_tokens // self.chunk_size)
+        self.stats.record_lookup("cpu", len(match.chunks), max(0, lookable - len(match.chunks)))
+        if match.chunks:
+            # Tokens whose KV was stored but which vLLM recomputes anyway: the
+            # successor rule and vLLM's need to compute one token.
+            last_chunk_end = (match.chunks[-1][0] + 1) * self.chunk_size
+            self.stats.record_recomputed_tokens(max(0, last_chunk_end - match.end_token))
         return match.num_tokens, False
 
     def update_state_after_alloc(
@@ -299,6 +308,8 @@ class DraftOffloadScheduler:
         for unit_id in record.units:
             if record.direction == "load":
                 self.index.unpin(unit_id)
+                if record.failed:
+                    self.stats.record_fallback("load_error")
                 if record.failed:
                     # A unit that failed to load (bad checksum) is never served again.
                     self.index.remove(unit_id)

@@ -30,6 +30,7 @@ from vllm_draft_offload.metadata import (
     DraftOffloadWorkerMetadata,
     TransferJob,
 )
+from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.transfers import (
     Descriptors,
     HostPool,
@@ -51,20 +52,17 @@ class InflightStore:
     job: TransferJob
     event: torch.Event | None
     keepalive: list[torch.Tensor] = field(default_factory=list)
-    num_bytes: int = 0
-    started: float = 0.0
 
 
 @dataclass
-class TransferTotals:
-    """Bytes and chunks moved since the last report; read by the stats hook."""
+class InflightLoad:
+    """A step's loads, timed on the load stream."""
 
-    load_target_bytes: int = 0
-    load_draft_bytes: int = 0
-    store_target_bytes: int = 0
-    store_draft_bytes: int = 0
-    load_seconds: list[float] = field(default_factory=list)
-    store_seconds: list[float] = field(default_factory=list)
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    target_bytes: int
+    draft_bytes: int
+    chunks: int
 
 
 class DraftOffloadWorker:
@@ -92,7 +90,10 @@ class DraftOffloadWorker:
         self._finishing_reqs: set[str] = set()
         self._worker_meta = DraftOffloadWorkerMetadata()
         self._load_error_blocks: set[int] = set()
-        self.totals = TransferTotals()
+        self.stats = DraftOffloadStats()
+        self._timed_loads: list[InflightLoad] = []
+        # Every rank moves its shard of each chunk; count chunks once.
+        self.counts_chunks = True
 
     # ------------------------------------------------------------ registration
 
@@ -180,26 +181,41 @@ class DraftOffloadWorker:
             return
         started = time.perf_counter()
         num_bytes = {True: 0, False: 0}
+        start_event = None
         if self._on_device:
             assert self._load_stream is not None
             # New blocks may have been written by the previous step's kernels.
             self._load_stream.wait_stream(torch.cuda.current_stream())
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record(self._load_stream)
         for region in self._ordered_regions():
             desc = self._job_descriptors(region, loads, to_host=False)
             num_bytes[region.slot.is_draft] += desc.num_bytes
             if self._on_device:
                 assert self._load_stream is not None
                 self._load_keepalive += run_descriptors_on_stream(desc, self._load_stream)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self._load_stream)
                 self._layer_events[region.slot.name] = event
                 self._last_load_event = event
             else:
                 run_descriptors_on_host(desc)
-        self.totals.load_target_bytes += num_bytes[False]
-        self.totals.load_draft_bytes += num_bytes[True]
-        if not self._on_device:
-            self.totals.load_seconds.append(time.perf_counter() - started)
+        chunks = self._num_chunks(loads) if self.counts_chunks else 0
+        if start_event is not None and self._last_load_event is not None:
+            self._timed_loads.append(
+                InflightLoad(
+                    start_event, self._last_load_event, num_bytes[False], num_bytes[True], chunks
+                )
+            )
+        else:
+            self.stats.record_transfer(
+                "load",
+                "cpu",
+                num_bytes[False],
+                num_bytes[True],
+                chunks,
+                time.perf_counter() - started,
+            )
         for job in loads:
             self._worker_meta.completed_jobs[job.job_id] = 1
 
@@ -242,9 +258,15 @@ class DraftOffloadWorker:
             draft = sum(
                 p.num_bytes for p, r in zip(parts, self.regions, strict=True) if r.slot.is_draft
             )
-            self.totals.store_draft_bytes += draft
-            self.totals.store_target_bytes += desc.num_bytes - draft
-            store = InflightStore(job, None, num_bytes=desc.num_bytes, started=time.perf_counter())
+            self.stats.record_transfer(
+                "store",
+                "cpu",
+                desc.num_bytes - draft,
+                draft,
+                self._num_chunks([job]) if self.counts_chunks else 0,
+                None,
+            )
+            store = InflightStore(job, None)
             if self._on_device and desc.num_bytes:
                 assert self._store_stream is not None
                 store.keepalive = run_descriptors_on_stream(desc, self._store_stream)
@@ -264,7 +286,6 @@ class DraftOffloadWorker:
                 continue
             job = store.job
             self._worker_meta.completed_jobs[job.job_id] = 1
-            self.totals.store_seconds.append(time.perf_counter() - store.started)
             jobs = self._req_store_jobs[job.req_id]
             jobs.discard(job.job_id)
             if not jobs:
@@ -275,7 +296,27 @@ class DraftOffloadWorker:
         self._stores = still_running
         return done_reqs
 
+    def _poll_loads(self) -> None:
+        still_running = []
+        for load in self._timed_loads:
+            if not load.end.query():
+                still_running.append(load)
+                continue
+            seconds = load.start.elapsed_time(load.end) / 1000.0
+            self.stats.record_transfer(
+                "load", "cpu", load.target_bytes, load.draft_bytes, load.chunks, seconds
+            )
+        self._timed_loads = still_running
+
+    def _num_chunks(self, jobs: list[TransferJob]) -> int:
+        assert self.layout is not None
+        first = self.layout.groups[0]
+        return sum(
+            len({page // first.blocks_per_chunk for page in job.host_pages[0]}) for job in jobs
+        )
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._poll_loads()
         done = self._poll_stores()
         return (done or None), None
 
