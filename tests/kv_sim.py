@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,10 @@ class SimEngine:
             torch.device("cpu"),
             self.vllm_config.cache_config.get_resolved_kv_cache_layout(),
         )
+        # What the model runner's attention layers tell the worker: which are draft.
+        context = self.vllm_config.compilation_config.static_forward_context
+        for name in self.kv_caches:
+            context[name] = SimpleNamespace(is_draft_layer=name not in TARGET_LAYERS)
         self.worker = DraftOffloadConnector(
             self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
         )
