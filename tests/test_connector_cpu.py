@@ -243,3 +243,25 @@ def test_layers_and_geometry_come_from_vllm(model_dirs: tuple[Path, Path]) -> No
     draft_tensor = eng.kv_caches[drafts[0].name]
     assert draft_tensor.dtype == torch.bfloat16
     assert drafts[0].page_bytes == draft_tensor.stride(0) * draft_tensor.element_size()
+
+
+def test_audit_catches_corrupt_draft_layer_and_recomputes(model_dirs: tuple[Path, Path]) -> None:
+    eng = engine(model_dirs, extra_config={"audit": True})
+    tokens = prompt(14, 3 * CHUNK + 2)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    worker = eng.worker.worker
+    draft = next(slot for slot in worker.layout.layers if slot.is_draft)
+    victim = next(iter(index_of(eng)._entries.values()))
+    unit = worker.pool.unit_view(victim.slot)
+    unit[draft.offset + 5] ^= 0x01  # one flipped bit in one draft layer
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    worker.stats.take()
+    eng.add_request("restored", tokens, max_tokens=2)
+    eng.run_prefill("restored")
+    assert eng.mismatched_positions("restored") == []
+    assert worker.stats.take().data["fallbacks"] == {"audit_mismatch": 1}
+    assert victim.unit_id not in index_of(eng)._entries
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]

@@ -309,8 +309,6 @@ class DraftOffloadScheduler:
             if record.direction == "load":
                 self.index.unpin(unit_id)
                 if record.failed:
-                    self.stats.record_fallback("load_error")
-                if record.failed:
                     # A unit that failed to load (bad checksum) is never served again.
                     self.index.remove(unit_id)
             elif record.failed:

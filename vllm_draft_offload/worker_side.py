@@ -40,6 +40,7 @@ from vllm_draft_offload.transfers import (
     run_descriptors_on_host,
     run_descriptors_on_stream,
 )
+from vllm_draft_offload.unit_codec import checksum
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -91,6 +92,8 @@ class DraftOffloadWorker:
         self._worker_meta = DraftOffloadWorkerMetadata()
         self._load_error_blocks: set[int] = set()
         self.stats = DraftOffloadStats()
+        # Audit mode: slot -> per-layer checksums taken when its store completed.
+        self._slot_checksums: dict[int, list[str]] = {}
         self._timed_loads: list[InflightLoad] = []
         # Every rank moves its shard of each chunk; count chunks once.
         self.counts_chunks = True
@@ -165,12 +168,55 @@ class DraftOffloadWorker:
                     self._job_descriptors(region, [job], to_host=False)
             except ValueError as exc:
                 logger.warning("DraftOffloadConnector: load job %d refused: %s", job.job_id, exc)
-                self._fail_load(job)
+                self._fail_load(job, "load_error")
+                continue
+            if self.config.audit and not self._audit_passes(job):
+                self._fail_load(job, "audit_mismatch")
                 continue
             valid.append(job)
         return valid
 
-    def _fail_load(self, job: TransferJob) -> None:
+    def _job_slots(self, job: TransferJob) -> set[int]:
+        assert self.layout is not None
+        first = self.layout.groups[0]
+        return {page // first.blocks_per_chunk for page in job.host_pages[0]}
+
+    def _layer_checksums(self, slot: int) -> list[str]:
+        assert self.pool is not None and self.layout is not None
+        unit = self.pool.unit_view(slot).numpy()
+        return [
+            checksum(unit[layer.offset : layer.offset + layer.nbytes])
+            for layer in self.layout.layers
+        ]
+
+    def _audit_passes(self, job: TransferJob) -> bool:
+        """Compare every layer of every slot with the checksums taken at store time."""
+        assert self.layout is not None
+        for slot in self._job_slots(job):
+            expected = self._slot_checksums.get(slot)
+            actual = self._layer_checksums(slot)
+            if expected is None:
+                logger.warning("audit: slot %d has no store-time checksums", slot)
+                return False
+            bad = [
+                layer.name
+                for layer, want, got in zip(self.layout.layers, expected, actual, strict=True)
+                if want != got
+            ]
+            if bad:
+                logger.warning(
+                    "audit: load job %d (request %s) slot %d differs from what was stored "
+                    "in layer(s) %s; recomputing",
+                    job.job_id,
+                    job.req_id,
+                    slot,
+                    ", ".join(bad),
+                )
+                return False
+        return True
+
+    def _fail_load(self, job: TransferJob, cause: str) -> None:
+        self.stats.record_fallback(cause)
         self._worker_meta.failed_jobs[job.job_id] = 1
         for blocks in job.gpu_blocks:
             self._load_error_blocks.update(blocks)
@@ -285,6 +331,9 @@ class DraftOffloadWorker:
                 still_running.append(store)
                 continue
             job = store.job
+            if self.config.audit:
+                for slot in self._job_slots(job):
+                    self._slot_checksums[slot] = self._layer_checksums(slot)
             self._worker_meta.completed_jobs[job.job_id] = 1
             jobs = self._req_store_jobs[job.req_id]
             jobs.discard(job.job_id)
@@ -309,11 +358,7 @@ class DraftOffloadWorker:
         self._timed_loads = still_running
 
     def _num_chunks(self, jobs: list[TransferJob]) -> int:
-        assert self.layout is not None
-        first = self.layout.groups[0]
-        return sum(
-            len({page // first.blocks_per_chunk for page in job.host_pages[0]}) for job in jobs
-        )
+        return sum(len(self._job_slots(job)) for job in jobs)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._poll_loads()
