@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from types import SimpleNamespace
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from vllm_draft_offload.connector import DraftOffloadConnector
+from vllm_draft_offload.metrics import DraftOffloadStats
 
 # The installed package's `vllm.general_plugins` entry point registers the name.
 load_general_plugins()
@@ -235,6 +237,7 @@ class SimEngine:
         init_none_hash(sha256)
         self.block_hasher = get_request_block_hasher(hash_block_size, sha256)
         self.outputs: dict[str, list[int]] = {}
+        self.published = DraftOffloadStats()
         self.external_hits: dict[str, int] = {}
         self.group_of = {
             name: gid
@@ -265,14 +268,15 @@ class SimEngine:
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
 
-    def run_until_done(self, max_steps: int = 400) -> None:
-        for _ in range(max_steps):
-            if (
-                not self.scheduler.has_requests()
-                and not self.scheduler.connector.scheduler.has_inflight_jobs()
-            ):
+    def run_until_done(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        connector = self.scheduler.connector.scheduler
+        while time.monotonic() < deadline:
+            if not self.scheduler.has_requests() and not connector.has_inflight_jobs():
                 return
-            self.step()
+            sched_out = self.step()
+            if not sched_out.num_scheduled_tokens:
+                time.sleep(0.005)  # waiting on background I/O
         raise AssertionError("simulation did not finish")
 
     # -------------------------------------------------------------------- step
@@ -330,6 +334,7 @@ class SimEngine:
             finished_recving=finished_recving,
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_stats=worker.get_kv_connector_stats(),
         )
         worker.clear_connector_metadata()
         req_ids = list(sched_out.num_scheduled_tokens)
@@ -347,6 +352,10 @@ class SimEngine:
         for outputs in engine_outputs.values():
             for output in outputs.outputs:
                 self.outputs[output.request_id] += output.new_token_ids
+            # What vLLM publishes to its loggers: worker and scheduler stats merged.
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.published.aggregate(DraftOffloadStats(data=stats.kv_connector_stats))
         return sched_out
 
     def mismatched_positions(self, req_id: str) -> list[tuple[str, int]]:
@@ -366,14 +375,22 @@ class SimEngine:
                     bad.append((name, position))
         return bad
 
-    def run_prefill(self, req_id: str, max_steps: int = 50) -> None:
-        """Step until `req_id` has computed its whole prompt."""
-        for _ in range(max_steps):
-            self.step()
+    def run_prefill(self, req_id: str, timeout_s: float = 30.0) -> None:
+        """Step until `req_id` has computed its whole prompt (L3 fetches take wall time)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            sched_out = self.step()
             request = self.scheduler.requests.get(req_id)
             if request is not None and request.num_computed_tokens >= request.num_prompt_tokens:
                 return
+            if not sched_out.num_scheduled_tokens:
+                time.sleep(0.005)  # waiting on background I/O
         raise AssertionError(f"{req_id} did not finish its prefill")
+
+    def take_published(self) -> dict[str, Any]:
+        """Connector stats published since the last call, as vLLM's loggers saw them."""
+        data, self.published = self.published.data, DraftOffloadStats()
+        return data
 
     def corrupt_device_kv(self) -> None:
         """Overwrite every GPU block: whatever a later request reads must be loaded."""

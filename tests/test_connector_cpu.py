@@ -51,12 +51,12 @@ def test_round_trip_is_bit_exact_for_every_layer(
     eng.scheduler.reset_prefix_cache()
     eng.corrupt_device_kv()
     worker = eng.worker.worker
-    worker.stats.take()
+    eng.take_published()
     eng.add_request("restored", tokens, max_tokens=4)
     eng.run_prefill("restored")
     assert eng.external_hits["restored"] == 4 * CHUNK
     assert eng.mismatched_positions("restored") == []
-    moved = worker.stats.take().data
+    moved = eng.take_published()
     assert moved["chunks"]["load/cpu"] == 4
     assert moved["bytes"]["load/cpu/draft"] == 4 * worker.layout.draft_bytes
     assert moved["bytes"]["load/cpu/target"] == 4 * worker.layout.target_bytes
@@ -257,11 +257,11 @@ def test_audit_catches_corrupt_draft_layer_and_recomputes(model_dirs: tuple[Path
     unit[draft.offset + 5] ^= 0x01  # one flipped bit in one draft layer
     eng.scheduler.reset_prefix_cache()
     eng.corrupt_device_kv()
-    worker.stats.take()
+    eng.take_published()
     eng.add_request("restored", tokens, max_tokens=2)
     eng.run_prefill("restored")
     assert eng.mismatched_positions("restored") == []
-    assert worker.stats.take().data["fallbacks"] == {"audit_mismatch": 1}
+    assert eng.take_published()["fallbacks"] == {"audit_mismatch": 1}
     assert victim.unit_id not in index_of(eng)._entries
     eng.run_until_done()
     assert eng.outputs["restored"] == eng.outputs["fresh"]

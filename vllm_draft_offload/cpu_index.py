@@ -90,6 +90,19 @@ class CpuTierIndex:
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
 
+    def rekey(self, old: UnitId, new: UnitId) -> None:
+        """Give a reserved unit its final identity (an L3 fetch learns the successors)."""
+        if new in self._entries:
+            raise KeyError(f"unit already present: {new[0].hex()}")
+        entry = self._entries.pop(old)
+        variants = self._variants[old[0]]
+        variants.remove(old)
+        if not variants:
+            del self._variants[old[0]]
+        entry.unit_id = new
+        self._entries[new] = entry
+        self._variants.setdefault(new[0], []).append(new)
+
     def remove(self, unit_id: UnitId) -> None:
         """Drop a unit (failed store, corrupt data); its slot becomes free."""
         entry = self._entries.pop(unit_id, None)

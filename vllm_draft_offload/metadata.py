@@ -28,6 +28,9 @@ class TransferJob:
     # Store only: the request has finished; report it in finished_sending once
     # all of its stores are done so vLLM frees its blocks.
     finishing: bool = False
+    # Store only, with an L3 tier: (slot, chunk key, successors) of each new unit,
+    # written to L3 once the store completes.
+    l3_units: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def num_pages(self) -> int:
@@ -35,9 +38,19 @@ class TransferJob:
 
 
 @dataclass
+class FetchJob:
+    """Read one unit from L3 into a host slot."""
+
+    job_id: int
+    slot: int
+    chunk_key: bytes
+
+
+@dataclass
 class DraftOffloadMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
+    fetches: list[FetchJob] = field(default_factory=list)
     # A request with stores in flight was preempted: its blocks may be reused
     # this step, so in-flight stores must finish before the forward.
     flush_stores: bool = False
@@ -49,14 +62,36 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     completed_jobs: dict[int, int] = field(default_factory=dict)
     failed_jobs: dict[int, int] = field(default_factory=dict)
+    # Store jobs whose units were copied out for the L3 write (their slots may be reused).
+    snapshot_jobs: dict[int, int] = field(default_factory=dict)
+    # Fetch job -> successor tokens found in the L3 object header.
+    fetched_successors: dict[int, list[int]] = field(default_factory=dict)
+    # Failed job -> why (a refusal or fallback cause).
+    failure_causes: dict[int, str] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.completed_jobs or self.failed_jobs or self.snapshot_jobs)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DraftOffloadWorkerMetadata:
         assert isinstance(other, DraftOffloadWorkerMetadata)
-        merged = DraftOffloadWorkerMetadata(dict(self.completed_jobs), dict(self.failed_jobs))
+        merged = DraftOffloadWorkerMetadata(
+            dict(self.completed_jobs),
+            dict(self.failed_jobs),
+            dict(self.snapshot_jobs),
+            dict(self.fetched_successors),
+            dict(self.failure_causes),
+        )
         for target, source in (
             (merged.completed_jobs, other.completed_jobs),
             (merged.failed_jobs, other.failed_jobs),
+            (merged.snapshot_jobs, other.snapshot_jobs),
         ):
             for job_id, count in source.items():
                 target[job_id] = target.get(job_id, 0) + count
+        for job_id, successors in other.fetched_successors.items():
+            if merged.fetched_successors.setdefault(job_id, successors) != successors:
+                # Ranks read different variants: the unit cannot be trusted.
+                merged.failure_causes[job_id] = "successor_mismatch"
+        for job_id, cause in other.failure_causes.items():
+            merged.failure_causes.setdefault(job_id, cause)
         return merged

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from vllm_draft_offload.l3_prefetch import L3Prefetch
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,10 +55,12 @@ class RequestState:
 @dataclass
 class JobRecord:
     req_id: str
-    direction: str
+    direction: str  # load | store | fetch
     units: list[UnitId]
     reports: int = 0
     failed: bool = False
+    cause: str | None = None
+    successors: list[int] | None = None
 
 
 class DraftOffloadScheduler:
@@ -83,6 +87,22 @@ class DraftOffloadScheduler:
         self._pending_finish_stores: list[TransferJob] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self.stats = DraftOffloadStats()
+        self.l3: L3Prefetch | None = None
+        if config.l3.enabled:
+            # LMCache is imported only when its tier is configured.
+            from vllm_draft_offload.l3_prefetch import L3Prefetch
+            from vllm_draft_offload.l3_tier import SchedulerL3
+
+            self.l3 = L3Prefetch(
+                SchedulerL3(config.l3),
+                self.index,
+                self.chunk_size,
+                config.l3.timeout_s,
+                self.stats,
+                lambda: next(self._job_ids),
+            )
+        # store job id -> [units pinned until their L3 copy is taken, reports]
+        self._snapshot_pins: dict[int, list] = {}
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -117,17 +137,29 @@ class DraftOffloadScheduler:
         best = max(variants, key=lambda e: common_prefix_length(e.successors, successors))
         return None, StoredUnitView(best.unit_id, best.successors)
 
+    def _match(self, state: RequestState, num_computed_tokens: int) -> PrefixMatch:
+        tokens = state.request.all_token_ids
+        keys = state.keys.extend(tokens)
+        return match_prefix(
+            keys, tokens, num_computed_tokens, self.chunk_size, self.num_successors, self._lookup
+        )
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         state = self._state(request)
         if state is None:
             return 0, False
         tokens = request.all_token_ids
-        keys = state.keys.extend(tokens)
-        match = match_prefix(
-            keys, tokens, num_computed_tokens, self.chunk_size, self.num_successors, self._lookup
-        )
+        match = self._match(state, num_computed_tokens)
+        if self.l3 is not None:
+            if self.l3.must_wait(
+                request.request_id, match, state.keys.keys, len(tokens), num_computed_tokens
+            ):
+                state.pending_match = None
+                return None, False
+            # Units fetched from L3 are in the CPU tier now.
+            match = self._match(state, num_computed_tokens)
         state.pending_match = match if match.num_tokens > 0 else None
         lookable = max(0, len(tokens) // self.chunk_size - num_computed_tokens // self.chunk_size)
         self.stats.record_lookup("cpu", len(match.chunks), max(0, lookable - len(match.chunks)))
@@ -182,7 +214,9 @@ class DraftOffloadScheduler:
 
     def _plan_stores(
         self, state: RequestState, computed_after_step: int, block_ids: tuple[list[int], ...]
-    ) -> tuple[list[UnitId], list[list[int]], list[list[int]]]:
+    ) -> tuple[
+        list[UnitId], list[list[int]], list[list[int]], list[tuple[int, bytes, tuple[int, ...]]]
+    ]:
         request = state.request
         tokens = request.all_token_ids
         limit = storable_chunk_limit(
@@ -194,10 +228,11 @@ class DraftOffloadScheduler:
             self.config.store_decode,
         )
         units: list[UnitId] = []
+        l3_units: list[tuple[int, bytes, tuple[int, ...]]] = []
         host_pages: list[list[int]] = [[] for _ in self.layout.groups]
         gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
         if limit <= state.next_store_chunk or len(tokens) < self.config.min_store_tokens:
-            return units, host_pages, gpu_blocks
+            return units, host_pages, gpu_blocks, l3_units
         keys = state.keys.extend(tokens)
         for chunk in range(state.next_store_chunk, limit):
             chunk_end = (chunk + 1) * self.chunk_size
@@ -215,12 +250,13 @@ class DraftOffloadScheduler:
             if entry is None:
                 break  # every slot is storing or being loaded; try later chunks later
             units.append(unit_id)
+            l3_units.append((entry.slot, keys[chunk], successors))
             for g, group in enumerate(self.layout.groups):
                 first = chunk * group.blocks_per_chunk
                 for page in range(group.blocks_per_chunk):
                     host_pages[g].append(entry.slot * group.blocks_per_chunk + page)
                     gpu_blocks[g].append(block_ids[group.group_id][first + page])
-        return units, host_pages, gpu_blocks
+        return units, host_pages, gpu_blocks, l3_units
 
     def _store_job(
         self,
@@ -229,7 +265,9 @@ class DraftOffloadScheduler:
         block_ids: tuple[list[int], ...],
         finishing: bool,
     ) -> TransferJob | None:
-        units, host_pages, gpu_blocks = self._plan_stores(state, computed_after_step, block_ids)
+        units, host_pages, gpu_blocks, l3_units = self._plan_stores(
+            state, computed_after_step, block_ids
+        )
         if not units and not (finishing and state.inflight_jobs):
             return None
         job = TransferJob(
@@ -239,13 +277,25 @@ class DraftOffloadScheduler:
             host_pages,
             gpu_blocks,
             finishing=finishing,
+            l3_units=l3_units if self.l3 is not None else [],
         )
+        if job.l3_units:
+            # Not evictable until every worker has copied it out for its L3 write.
+            for unit_id in units:
+                self.index.pin(unit_id)
+            self._snapshot_pins[job.job_id] = [units, 0]
         self._jobs[job.job_id] = JobRecord(state.request.request_id, "store", units)
         state.inflight_jobs.add(job.job_id)
         return job
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DraftOffloadMetadata:
-        meta = DraftOffloadMetadata(loads=self._pending_loads, stores=self._pending_finish_stores)
+        meta = DraftOffloadMetadata(
+            loads=self._pending_loads,
+            stores=self._pending_finish_stores,
+            fetches=self.l3.take_fetch_jobs() if self.l3 is not None else [],
+        )
+        for fetch in meta.fetches:
+            self._jobs[fetch.job_id] = JobRecord("", "fetch", [])
         self._pending_loads, self._pending_finish_stores = [], []
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -272,6 +322,8 @@ class DraftOffloadScheduler:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
+        if self.l3 is not None:
+            self.l3.forget(request.request_id)
         if state is None:
             return False, None
         job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
@@ -286,22 +338,40 @@ class DraftOffloadScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, DraftOffloadWorkerMetadata):
             return
-        for job_id, count in meta.failed_jobs.items():
+        for job_id, count in meta.snapshot_jobs.items():
+            pins = self._snapshot_pins.get(job_id)
+            if pins is not None:
+                pins[1] += count
+                if pins[1] >= self.world_size:
+                    del self._snapshot_pins[job_id]
+                    for unit_id in pins[0]:
+                        self.index.unpin(unit_id)
+        for job_id, cause in meta.failure_causes.items():
             record = self._jobs.get(job_id)
             if record is not None:
-                record.failed = True
-                record.reports += count
-                self._maybe_complete(job_id, record)
-        for job_id, count in meta.completed_jobs.items():
+                record.failed, record.cause = True, record.cause or cause
+        for job_id, successors in meta.fetched_successors.items():
             record = self._jobs.get(job_id)
-            if record is not None:
-                record.reports += count
-                self._maybe_complete(job_id, record)
+            if record is not None and record.successors is None:
+                record.successors = successors
+        for counts, failed in ((meta.failed_jobs, True), (meta.completed_jobs, False)):
+            for job_id, count in counts.items():
+                record = self._jobs.get(job_id)
+                if record is not None:
+                    record.failed |= failed
+                    record.reports += count
+                    self._maybe_complete(job_id, record)
 
     def _maybe_complete(self, job_id: int, record: JobRecord) -> None:
         if record.reports < self.world_size:
             return
         del self._jobs[job_id]
+        if record.direction == "fetch":
+            assert self.l3 is not None
+            self.l3.fetch_finished(
+                job_id, None if record.failed else record.successors, record.cause
+            )
+            return
         state = self._requests.get(record.req_id)
         if state is not None:
             state.inflight_jobs.discard(job_id)

@@ -45,6 +45,8 @@ from vllm_draft_offload.unit_codec import checksum
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from vllm_draft_offload.l3_tier import WorkerL3
+
 logger = logging.getLogger(__name__)
 
 
@@ -72,8 +74,13 @@ class DraftOffloadWorker:
         config: DraftOffloadConfig,
         kv_cache_config: KVCacheConfig,
         draft_layer_names: frozenset[str],
+        drafter_id: str = "",
+        rank: int = 0,
     ) -> None:
         self.config = config
+        self.drafter_id = drafter_id
+        self.rank = rank
+        self.l3: WorkerL3 | None = None
         self.kv_cache_config = kv_cache_config
         self.draft_layer_names = draft_layer_names
         self.layout: UnitLayout | None = None
@@ -124,6 +131,10 @@ class DraftOffloadWorker:
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
+        if self.config.l3.enabled:
+            from vllm_draft_offload.l3_tier import WorkerL3
+
+            self.l3 = WorkerL3(self.config.l3, layout, self.pool, self.drafter_id, self.rank)
         logger.info(
             "DraftOffloadConnector: %d layers (%d draft) in %d group(s), unit %.2f MiB "
             "(draft %.2f MiB), CPU tier %d units, pinned=%s",
@@ -222,6 +233,12 @@ class DraftOffloadWorker:
             self._load_error_blocks.update(blocks)
 
     def start_load_kv(self, meta: DraftOffloadMetadata) -> None:
+        for fetch in meta.fetches:
+            if self.l3 is None:
+                self._worker_meta.failed_jobs[fetch.job_id] = 1
+                self._worker_meta.failure_causes[fetch.job_id] = "l3_unavailable"
+            else:
+                self.l3.fetch_unit(fetch.job_id, fetch.slot, fetch.chunk_key)
         loads = self._valid_loads(meta.loads)
         if not loads:
             return
@@ -335,6 +352,8 @@ class DraftOffloadWorker:
                 for slot in self._job_slots(job):
                     self._slot_checksums[slot] = self._layer_checksums(slot)
             self._worker_meta.completed_jobs[job.job_id] = 1
+            if self.l3 is not None and job.l3_units:
+                self.l3.write_units(job.job_id, job.l3_units)
             jobs = self._req_store_jobs[job.req_id]
             jobs.discard(job.job_id)
             if not jobs:
@@ -365,9 +384,52 @@ class DraftOffloadWorker:
         done = self._poll_stores()
         return (done or None), None
 
-    def build_worker_meta(self) -> DraftOffloadWorkerMetadata | None:
+    def _drain_l3(self) -> None:
+        l3 = self.l3
+        if l3 is None:
+            return
         meta = self._worker_meta
-        if not meta.completed_jobs and not meta.failed_jobs:
+        while not l3.snapshots_done.empty():
+            job_id = l3.snapshots_done.get()
+            meta.snapshot_jobs[job_id] = meta.snapshot_jobs.get(job_id, 0) + 1
+        while not l3.fetches_done.empty():
+            result = l3.fetches_done.get()
+            if result.successors is None:
+                meta.failed_jobs[result.job_id] = 1
+                meta.failure_causes[result.job_id] = result.cause or "l3_corrupt"
+                continue
+            if self.config.audit:
+                self._slot_checksums[result.slot] = list(result.layer_checksums)
+            meta.completed_jobs[result.job_id] = 1
+            meta.fetched_successors[result.job_id] = list(result.successors)
+            assert self.layout is not None
+            self.stats.record_transfer(
+                "load",
+                "l3",
+                self.layout.target_bytes,
+                self.layout.draft_bytes,
+                1 if self.counts_chunks else 0,
+                None,
+            )
+        while not l3.events.empty():
+            kind, detail = l3.events.get()
+            if kind == "fallback":
+                self.stats.record_fallback(detail)
+            elif kind == "stored":
+                assert self.layout is not None
+                self.stats.record_transfer(
+                    "store",
+                    "l3",
+                    self.layout.target_bytes,
+                    self.layout.draft_bytes,
+                    1 if self.counts_chunks else 0,
+                    None,
+                )
+
+    def build_worker_meta(self) -> DraftOffloadWorkerMetadata | None:
+        self._drain_l3()
+        meta = self._worker_meta
+        if meta.is_empty():
             return None
         self._worker_meta = DraftOffloadWorkerMetadata()
         return meta
@@ -381,5 +443,7 @@ class DraftOffloadWorker:
             if store.event is not None:
                 store.event.synchronize()
         self._stores.clear()
+        if self.l3 is not None:
+            self.l3.close()
         if self.pool is not None:
             self.pool.close()

@@ -1,0 +1,208 @@
+"""The LMCache tier at the connector level: real Scheduler, real connector halves,
+real LMCache backends (a persistent fs:// path and a redis-server on loopback).
+
+A "restart" is a new SimEngine: new scheduler, new worker, new host pool and new
+L3 clients, with nothing shared with the old one but the storage backend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kv_sim import SimEngine, SimSetup, write_tiny_llama
+from redis_fixture import RedisServer, redis_server_binary
+
+from vllm_draft_offload.l3_tier import object_key
+from vllm_draft_offload.unit_codec import layer_view, pack_unit, read_header
+
+CHUNK = 32
+L3_EXTRA = {
+    "draft_offload.l3_timeout_s": 2.0,
+    "draft_offload.l3_retry_interval_s": 0.5,
+    "draft_offload.l3_namespace": "vdo-tier-test",
+    "draft_offload.l3_staging_mb": 16,
+    "save_chunk_meta": True,
+}
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 37) % 900 + 10 for i in range(length)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return (
+        write_tiny_llama(root / "target", layers=2, heads=1, kv_heads=1, head_dim=32),
+        write_tiny_llama(root / "draft", layers=1, heads=2, kv_heads=2, head_dim=64),
+    )
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed")
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+def l3_engine(
+    model_dirs: tuple[Path, Path], url: str, draft_path: Path | None = None, **setup: object
+) -> SimEngine:
+    extra = {
+        "l3": {"enabled": True, "timeout_s": 2.0},
+        "lmcache.remote_url": url,
+        "lmcache.extra_config": L3_EXTRA,
+        **setup.pop("extra_config", {}),  # type: ignore[dict-item]
+    }
+    target, draft = model_dirs
+    return SimEngine(target, draft_path or draft, SimSetup(extra_config=extra, **setup))
+
+
+def finish_l3_writes(eng: SimEngine) -> None:
+    l3 = eng.worker.worker.l3
+    assert l3 is not None and l3.store is not None
+    l3.flush(10)
+    eng.step()  # report the snapshots
+
+
+def run_restart(model_dirs: tuple[Path, Path], url: str, eagle: bool) -> None:
+    tokens = prompt(21, 3 * CHUNK + 9)
+    first = l3_engine(model_dirs, url, eagle=eagle)
+    first.add_request("fresh", tokens, max_tokens=3)
+    first.run_until_done()
+    finish_l3_writes(first)
+    first.worker.shutdown()
+
+    second = l3_engine(model_dirs, url, eagle=eagle)
+    second.add_request("after-restart", tokens, max_tokens=3)
+    second.run_prefill("after-restart")
+    assert second.external_hits["after-restart"] == 3 * CHUNK
+    assert second.mismatched_positions("after-restart") == []
+    second.run_until_done()
+    assert second.outputs["after-restart"] == first.outputs["fresh"]
+    data = second.take_published()
+    assert data["hits"]["l3"] == 3
+    second.worker.shutdown()
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_restart_restores_from_persistent_path(
+    model_dirs: tuple[Path, Path], tmp_path: Path, eagle: bool
+) -> None:
+    run_restart(model_dirs, f"fs://{tmp_path / 'l3'}", eagle)
+
+
+def test_restart_restores_from_redis(model_dirs: tuple[Path, Path], redis_url: str) -> None:
+    run_restart(model_dirs, redis_url, eagle=True)
+
+
+def test_other_drafter_never_reuses_objects(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(22, 2 * CHUNK + 1)
+    first = l3_engine(model_dirs, url)
+    first.add_request("fresh", tokens, max_tokens=1)
+    first.run_until_done()
+    finish_l3_writes(first)
+    other_draft = write_tiny_llama(
+        tmp_path / "other-draft", layers=1, heads=2, kv_heads=2, head_dim=64
+    )
+    other = l3_engine(model_dirs, url, draft_path=other_draft)
+    other.add_request("other", tokens, max_tokens=1)
+    other.run_prefill("other")
+    assert other.external_hits["other"] == 0
+
+
+def _reencode(blob: bytes, *, drop_draft: bool = False, drafter_id: str | None = None) -> bytes:
+    """Rewrite a stored unit as a faulty writer would: a valid object, wrong content."""
+    header, payload = read_header(blob)
+    layers = [
+        (entry.name, entry.is_draft, layer_view(payload, entry))
+        for entry in header.layers
+        if not (drop_draft and entry.is_draft)
+    ]
+    _, new_blob = pack_unit(
+        key=header.key,
+        geometry_fingerprint=header.geometry_fingerprint,
+        drafter_id=drafter_id or header.drafter_id,
+        num_tokens=header.num_tokens,
+        layers=layers,
+        successor_tokens=header.successor_tokens,
+    )
+    return new_blob
+
+
+FAULTS = {
+    "truncated": lambda blob: blob[: len(blob) // 2],
+    "checksum_mismatch": lambda blob: blob[:-9] + bytes([blob[-9] ^ 0xFF]) + blob[-8:],
+    "draft_part_missing": lambda blob: _reencode(blob, drop_draft=True),
+    "drafter_mismatch": lambda blob: _reencode(blob, drafter_id="some-other-drafter"),
+}
+
+
+@pytest.mark.parametrize("cause", [*FAULTS, "object_missing"])
+def test_faulty_objects_mean_recompute(
+    model_dirs: tuple[Path, Path], tmp_path: Path, cause: str
+) -> None:
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(23, 2 * CHUNK + 5)
+    first = l3_engine(model_dirs, url)
+    first.add_request("fresh", tokens, max_tokens=2)
+    first.run_until_done()
+    finish_l3_writes(first)
+    store = first.worker.worker.l3.store
+    # Damage the object of the prompt's second chunk; the first stays intact.
+    second_key = _second_chunk_key(first, tokens)
+    name = object_key(second_key, 0)
+    blob = store.get(name)
+    assert blob is not None and read_header(blob)[0].key == second_key.hex()
+    if cause == "object_missing":
+        assert store.remove(name)
+    else:
+        store.put(name, FAULTS[cause](blob))
+    first.worker.shutdown()
+
+    second = l3_engine(model_dirs, url)
+    second.add_request("after", tokens, max_tokens=2)
+    second.run_prefill("after")
+    assert second.external_hits["after"] == CHUNK  # the intact first chunk only
+    assert second.mismatched_positions("after") == []
+    second.run_until_done()
+    assert second.outputs["after"] == first.outputs["fresh"]
+    published = second.take_published()
+    expected = {} if cause == "object_missing" else {cause: 1}
+    assert published.get("refused", {}) == expected
+    # Present in storage (a lookup hit) is not the same as usable.
+    assert published["hits"]["l3"] == (1 if cause == "object_missing" else 2)
+
+
+def _second_chunk_key(eng: SimEngine, tokens: list[int]) -> bytes:
+    from vllm_draft_offload.chunk_keys import ChunkKeyChain
+
+    sched = eng.scheduler.connector.scheduler
+    return ChunkKeyChain(sched.salt, CHUNK).extend(tokens)[1]
+
+
+def test_unreachable_backend_serves_from_cpu_tier(model_dirs: tuple[Path, Path]) -> None:
+    # Nothing listens on this loopback port: L3 is down from the start.
+    eng = l3_engine(model_dirs, "redis://127.0.0.1:9")
+    tokens = prompt(24, 2 * CHUNK + 3)
+    started = time.monotonic()
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.add_request("again", tokens, max_tokens=2)
+    eng.run_prefill("again")
+    assert eng.external_hits["again"] == 2 * CHUNK  # from the CPU tier
+    assert eng.mismatched_positions("again") == []
+    eng.run_until_done()
+    assert time.monotonic() - started < 60
+    fallbacks = eng.take_published()["fallbacks"]
+    assert fallbacks.get("l3_write_dropped", 0) + fallbacks.get("store_failed", 0) >= 1

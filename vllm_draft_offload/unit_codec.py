@@ -1,0 +1,408 @@
+"""On-storage object format for one unit: the KV of every target and drafter layer of a chunk.
+
+Layout of an encoded unit (all integers little-endian)::
+
+    offset  size  field
+    0       8     MAGIC  b"VDOUNIT\\0"
+    8       2     FORMAT_VERSION (u16)
+    10      2     reserved, 0
+    12      4     header_len (u32): JSON header bytes incl. trailing-space padding
+    16      16    blake3-128 digest of the header bytes
+    32      H     UTF-8 JSON header (UnitHeader), space padded
+    32+H    P     payload: the layers at the offsets the header names
+
+The header is padded so the payload starts on a ``PAYLOAD_ALIGN`` boundary of the blob; a
+restored payload can then be viewed as any KV dtype without a copy.
+
+The header has its own digest so that damage to it is always reported as ``corrupt_header``.
+Without the digest, a flipped digit in an offset or a name could still parse and would show
+up as some other, misleading cause.
+
+Checksums are blake3 truncated to 128 bits. Measured on a 32 MiB buffer on the dev box
+(single thread):
+
+* blake3: 4.3 ms (7.3 GB/s)
+* zlib.crc32: 6.8 ms
+* zlib.adler32: 8.5 ms
+* google_crc32c: 18.7 ms
+* hashlib.blake2b: 30.6 ms
+
+xxhash is not installed. blake3 is a hard dependency of both vLLM and LMCache, so every
+reader has it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal, get_args
+
+import blake3
+
+MAGIC: Final = b"VDOUNIT\x00"
+FORMAT_VERSION: Final = 1
+CHECKSUM_ALGO: Final = "blake3-128"
+PAYLOAD_ALIGN: Final = 64
+_PREFIX: Final = struct.Struct("<8sHHI16s")
+PREFIX_SIZE: Final = _PREFIX.size  # 32
+_DIGEST_SIZE: Final = 16
+
+RejectCause = Literal[
+    "truncated",
+    "corrupt_header",
+    "bad_magic_or_version",
+    "checksum_mismatch",
+    "key_mismatch",
+    "geometry_mismatch",
+    "drafter_mismatch",
+    "successor_mismatch",
+    "draft_part_missing",
+    "layer_table_mismatch",
+]
+REJECT_CAUSES: Final[tuple[str, ...]] = get_args(RejectCause)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class UnitRejected(Exception):
+    """A stored unit cannot be used. ``cause`` is one of REJECT_CAUSES and is a stable label."""
+
+    def __init__(self, cause: RejectCause, detail: Any = None) -> None:
+        if cause not in REJECT_CAUSES:
+            raise ValueError(f"unknown reject cause {cause!r}")
+        super().__init__(f"{cause}: {detail}" if detail is not None else cause)
+        self.cause: RejectCause = cause
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class LayerEntry:
+    name: str
+    is_draft: bool
+    offset: int  # from the start of the payload
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What a caller expects of one layer: everything except where it lies and its digest."""
+
+    name: str
+    is_draft: bool
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnitHeader:
+    key: str
+    geometry_fingerprint: str
+    drafter_id: str
+    num_tokens: int
+    layers: tuple[LayerEntry, ...]
+    payload_checksum: str
+    payload_nbytes: int
+    successor_tokens: tuple[int, ...] = ()
+    checksum_algo: str = CHECKSUM_ALGO
+
+    def __post_init__(self) -> None:
+        # Callers naturally pass lists; tuples keep the header hashable and immutable.
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "successor_tokens", tuple(self.successor_tokens))
+
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        return tuple(LayerSpec(e.name, e.is_draft, e.nbytes) for e in self.layers)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedUnit:
+    """What the reader needs. ``successor_tokens=None`` means that the caller does not care.
+
+    ``num_tokens=None`` skips the token-count check; the geometry fingerprint usually
+    covers it already.
+    """
+
+    key: str
+    geometry_fingerprint: str
+    drafter_id: str
+    layers: tuple[LayerSpec, ...]
+    successor_tokens: tuple[int, ...] | None = None
+    num_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "layers",
+            tuple(s if isinstance(s, LayerSpec) else LayerSpec(*s) for s in self.layers),
+        )
+        if self.successor_tokens is not None:
+            object.__setattr__(self, "successor_tokens", tuple(self.successor_tokens))
+
+
+def checksum(data: Buffer) -> str:
+    return blake3.blake3(data).hexdigest(length=_DIGEST_SIZE)
+
+
+def make_header(
+    *,
+    key: str,
+    geometry_fingerprint: str,
+    drafter_id: str,
+    num_tokens: int,
+    layers: Sequence[LayerSpec | tuple[str, bool, int]],
+    payload: Buffer,
+    successor_tokens: Sequence[int] = (),
+) -> UnitHeader:
+    """Build the header for ``payload``, where the layers are packed back to back in order."""
+    mv = memoryview(payload).cast("B")
+    entries: list[LayerEntry] = []
+    offset = 0
+    for raw in layers:
+        spec = raw if isinstance(raw, LayerSpec) else LayerSpec(*raw)
+        end = offset + spec.nbytes
+        if end > mv.nbytes:
+            raise ValueError(f"layer {spec.name!r} runs past the payload ({end} > {mv.nbytes})")
+        entries.append(
+            LayerEntry(spec.name, spec.is_draft, offset, spec.nbytes, checksum(mv[offset:end]))
+        )
+        offset = end
+    if offset != mv.nbytes:
+        raise ValueError(f"layers cover {offset} bytes but the payload has {mv.nbytes}")
+    return UnitHeader(
+        key=key,
+        geometry_fingerprint=geometry_fingerprint,
+        drafter_id=drafter_id,
+        num_tokens=num_tokens,
+        layers=tuple(entries),
+        payload_checksum=checksum(mv),
+        payload_nbytes=mv.nbytes,
+        successor_tokens=tuple(int(t) for t in successor_tokens),
+    )
+
+
+def _header_to_json(header: UnitHeader) -> bytes:
+    doc = {
+        "checksum_algo": header.checksum_algo,
+        "key": header.key,
+        "geometry_fingerprint": header.geometry_fingerprint,
+        "drafter_id": header.drafter_id,
+        "num_tokens": header.num_tokens,
+        "successor_tokens": list(header.successor_tokens),
+        "payload_nbytes": header.payload_nbytes,
+        "payload_checksum": header.payload_checksum,
+        "layers": [[e.name, e.is_draft, e.offset, e.nbytes, e.checksum] for e in header.layers],
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _check_layout(header: UnitHeader) -> None:
+    """Offsets must lie inside the payload and must not overlap, or verify_layer means nothing."""
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in header.layers)
+    prev_end = 0
+    for start, end, name in spans:
+        if start < prev_end or start < 0 or end > header.payload_nbytes:
+            raise ValueError(f"layer {name!r} [{start},{end}) overlaps or leaves the payload")
+        prev_end = end
+    names = [e.name for e in header.layers]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate layer names")
+
+
+def encode_unit(header: UnitHeader, payload: Buffer, *, verify: bool = False) -> bytes:
+    """Serialize one unit, copying the payload once.
+
+    Checksums are trusted as given, because make_header has just computed them. Use
+    ``verify=True`` for a header built some other way.
+    """
+    mv = memoryview(payload).cast("B")
+    if mv.nbytes != header.payload_nbytes:
+        raise ValueError(f"payload has {mv.nbytes} bytes, header says {header.payload_nbytes}")
+    _check_layout(header)
+    if verify:
+        if checksum(mv) != header.payload_checksum:
+            raise ValueError("payload_checksum does not match the payload")
+        for e in header.layers:
+            if not verify_layer(mv, e):
+                raise ValueError(f"checksum of layer {e.name!r} does not match the payload")
+    hjson = _header_to_json(header)
+    pad = (-(PREFIX_SIZE + len(hjson))) % PAYLOAD_ALIGN
+    hjson += b" " * pad
+    out = bytearray(PREFIX_SIZE + len(hjson) + mv.nbytes)
+    digest = blake3.blake3(hjson).digest(length=_DIGEST_SIZE)
+    _PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(hjson), digest)
+    out[PREFIX_SIZE : PREFIX_SIZE + len(hjson)] = hjson
+    out[PREFIX_SIZE + len(hjson) :] = mv
+    return bytes(out)
+
+
+def pack_unit(
+    *,
+    key: str,
+    geometry_fingerprint: str,
+    drafter_id: str,
+    num_tokens: int,
+    layers: Sequence[tuple[str, bool, Buffer]],
+    successor_tokens: Sequence[int] = (),
+) -> tuple[UnitHeader, bytes]:
+    """Build a unit straight from the per-layer buffers: one payload copy, one pass per hash."""
+    views = [(name, is_draft, memoryview(buf).cast("B")) for name, is_draft, buf in layers]
+    payload = bytearray(sum(v.nbytes for _, _, v in views))
+    offset = 0
+    for _, _, v in views:
+        payload[offset : offset + v.nbytes] = v
+        offset += v.nbytes
+    header = make_header(
+        key=key,
+        geometry_fingerprint=geometry_fingerprint,
+        drafter_id=drafter_id,
+        num_tokens=num_tokens,
+        layers=[LayerSpec(n, d, v.nbytes) for n, d, v in views],
+        payload=payload,
+        successor_tokens=successor_tokens,
+    )
+    return header, encode_unit(header, payload)
+
+
+def _parse_header(raw: memoryview) -> UnitHeader:
+    try:
+        doc = json.loads(bytes(raw))
+        layers = tuple(
+            LayerEntry(_s(n), _b(d), _i(o), _i(nb), _s(c)) for n, d, o, nb, c in doc["layers"]
+        )
+        header = UnitHeader(
+            key=_s(doc["key"]),
+            geometry_fingerprint=_s(doc["geometry_fingerprint"]),
+            drafter_id=_s(doc["drafter_id"]),
+            num_tokens=_i(doc["num_tokens"]),
+            layers=layers,
+            payload_checksum=_s(doc["payload_checksum"]),
+            payload_nbytes=_i(doc["payload_nbytes"]),
+            successor_tokens=tuple(_i(t) for t in doc["successor_tokens"]),
+            checksum_algo=_s(doc["checksum_algo"]),
+        )
+        _check_layout(header)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UnitRejected("corrupt_header", f"unparseable header: {e}") from e
+    return header
+
+
+def _s(v: object) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected str, got {type(v).__name__}")
+    return v
+
+
+def _b(v: object) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"expected bool, got {type(v).__name__}")
+    return v
+
+
+def _i(v: object) -> int:
+    # bool is an int subclass; a bool in an integer slot means the header is wrong.
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise TypeError(f"expected non-negative int, got {v!r}")
+    return v
+
+
+def read_header(blob: Buffer) -> tuple[UnitHeader, memoryview]:
+    """Check only the framing and the header digest; no expectations and no payload hash.
+
+    Returns the header and a zero-copy view of the payload.
+    """
+    mv = memoryview(blob).cast("B")
+    if mv.nbytes < PREFIX_SIZE:
+        raise UnitRejected("truncated", f"{mv.nbytes} bytes, prefix needs {PREFIX_SIZE}")
+    magic, version, _reserved, hlen, hdigest = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise UnitRejected("bad_magic_or_version", f"magic={magic!r} version={version}")
+    if PREFIX_SIZE + hlen > mv.nbytes:
+        raise UnitRejected(
+            "truncated", f"header needs {PREFIX_SIZE + hlen} bytes, have {mv.nbytes}"
+        )
+    raw = mv[PREFIX_SIZE : PREFIX_SIZE + hlen]
+    if blake3.blake3(raw).digest(length=_DIGEST_SIZE) != hdigest:
+        raise UnitRejected("corrupt_header", "header digest mismatch")
+    header = _parse_header(raw)
+    if header.checksum_algo != CHECKSUM_ALGO:
+        raise UnitRejected("bad_magic_or_version", f"checksum_algo={header.checksum_algo!r}")
+    start = PREFIX_SIZE + hlen
+    have = mv.nbytes - start
+    if have < header.payload_nbytes:
+        raise UnitRejected("truncated", f"payload has {have} of {header.payload_nbytes} bytes")
+    if have > header.payload_nbytes:
+        raise UnitRejected("corrupt_header", f"{have - header.payload_nbytes} trailing bytes")
+    return header, mv[start:]
+
+
+def decode_unit(blob: Buffer, expected: ExpectedUnit) -> tuple[UnitHeader, memoryview]:
+    """Validate ``blob`` against ``expected``. Returns the header and a zero-copy payload view.
+
+    The cheap identity checks run before the payload hash, so a unit from another
+    deployment costs nothing to reject.
+    """
+    header, payload = read_header(blob)
+    if header.key != expected.key:
+        raise UnitRejected("key_mismatch", f"stored {header.key!r}, wanted {expected.key!r}")
+    if header.geometry_fingerprint != expected.geometry_fingerprint:
+        raise UnitRejected(
+            "geometry_mismatch",
+            f"stored {header.geometry_fingerprint!r}, wanted {expected.geometry_fingerprint!r}",
+        )
+    if expected.num_tokens is not None and header.num_tokens != expected.num_tokens:
+        raise UnitRejected(
+            "geometry_mismatch", f"stored {header.num_tokens} tokens, wanted {expected.num_tokens}"
+        )
+    if header.drafter_id != expected.drafter_id:
+        raise UnitRejected(
+            "drafter_mismatch", f"stored {header.drafter_id!r}, wanted {expected.drafter_id!r}"
+        )
+    # The draft KV of the last position depends on the next token (EAGLE/MTP), so the
+    # successor must match exactly. A prefix match could accept draft KV built from another
+    # continuation.
+    if (
+        expected.successor_tokens is not None
+        and header.successor_tokens != expected.successor_tokens
+    ):
+        raise UnitRejected(
+            "successor_mismatch",
+            f"stored {list(header.successor_tokens)}, wanted {list(expected.successor_tokens)}",
+        )
+    # The part checks run before the full table comparison: "the drafter half is absent"
+    # is a different operational problem from "the layer list changed".
+    for part, is_draft in (("draft", True), ("target", False)):
+        wants = any(s.is_draft is is_draft and s.nbytes > 0 for s in expected.layers)
+        has = any(e.is_draft is is_draft and e.nbytes > 0 for e in header.layers)
+        if wants and not has:
+            raise UnitRejected("draft_part_missing", f"{part} layers absent from stored unit")
+    if header.layer_specs() != expected.layers:
+        raise UnitRejected(
+            "layer_table_mismatch", _table_diff(header.layer_specs(), expected.layers)
+        )
+    if checksum(payload) != header.payload_checksum:
+        raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
+    return header, payload
+
+
+def _table_diff(stored: tuple[LayerSpec, ...], wanted: tuple[LayerSpec, ...]) -> str:
+    if len(stored) != len(wanted):
+        return f"stored {len(stored)} layers, wanted {len(wanted)}"
+    for i, (s, w) in enumerate(zip(stored, wanted, strict=True)):
+        if s != w:
+            return f"layer {i}: stored {s}, wanted {w}"
+    return "tables differ"
+
+
+def verify_layer(payload: Buffer, entry: LayerEntry) -> bool:
+    """Audit-mode check of one restored layer against the digest recorded at encode time."""
+    mv = memoryview(payload).cast("B")
+    end = entry.offset + entry.nbytes
+    if entry.offset < 0 or end > mv.nbytes:
+        return False
+    return checksum(mv[entry.offset : end]) == entry.checksum
+
+
+def layer_view(payload: Buffer, entry: LayerEntry) -> memoryview:
+    return memoryview(payload).cast("B")[entry.offset : entry.offset + entry.nbytes]
