@@ -265,3 +265,26 @@ def test_audit_catches_corrupt_draft_layer_and_recomputes(model_dirs: tuple[Path
     assert victim.unit_id not in index_of(eng)._entries
     eng.run_until_done()
     assert eng.outputs["restored"] == eng.outputs["fresh"]
+
+
+def test_acceptance_is_split_by_restored_prefix(model_dirs: tuple[Path, Path]) -> None:
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    eng = engine(model_dirs)
+    tokens = prompt(15, 2 * CHUNK + 1)
+    seen = {}
+    for req_id, accepted in (("fresh", (2, 1)), ("restored", (2, 2))):
+        if req_id == "restored":
+            eng.scheduler.reset_prefix_cache()
+        eng.add_request(req_id, tokens, max_tokens=1)
+        metrics = RequestSpecDecodeMetrics.new(2)
+        for count in accepted:  # what vLLM observes at each verify step
+            metrics.observe(num_draft_tokens=2, num_accepted=count)
+        eng.scheduler.requests[req_id].spec_decode_metrics = metrics
+        seen["true" if req_id == "restored" else "false"] = metrics
+        eng.run_until_done()
+    published = eng.take_published()
+    # vLLM itself may observe more verify steps; the split must follow the request.
+    assert published["drafts"] == {k: sum(m.histogram) for k, m in seen.items()}
+    assert published["accepted"] == {"false": 3, "true": 4}
+    assert eng.external_hits["restored"] == 2 * CHUNK

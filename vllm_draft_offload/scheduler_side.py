@@ -326,11 +326,26 @@ class DraftOffloadScheduler:
             self.l3.forget(request.request_id)
         if state is None:
             return False, None
+        self._record_acceptance(request, restored=state.restored_tokens > 0)
         job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
         if job is None:
             return False, None
         self._pending_finish_stores.append(job)
         return True, None
+
+    def _record_acceptance(self, request: Request, restored: bool) -> None:
+        """Acceptance of a finished request, split by whether its prefix was restored.
+
+        Needs vLLM's per-request spec-decode metrics
+        (`per_request_spec_decode_metrics` "summary" or "detailed").
+        """
+        metrics = request.spec_decode_metrics
+        if metrics is None:
+            return
+        steps = sum(metrics.histogram)
+        accepted = sum(j * count for j, count in enumerate(metrics.histogram))
+        if steps:
+            self.stats.record_acceptance(restored, steps, accepted)
 
     # ------------------------------------------------------------- completion
 
