@@ -238,6 +238,7 @@ class SimEngine:
         self.block_hasher = get_request_block_hasher(hash_block_size, sha256)
         self.outputs: dict[str, list[int]] = {}
         self.published = DraftOffloadStats()
+        self.load_metas: list[Any] = []
         self.external_hits: dict[str, int] = {}
         self.group_of = {
             name: gid
@@ -310,6 +311,8 @@ class SimEngine:
                 new.req_id
             )
         meta = sched_out.kv_connector_metadata
+        if meta.loads:
+            self.load_metas.append(meta)
         worker = self.worker
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)

@@ -288,3 +288,23 @@ def test_acceptance_is_split_by_restored_prefix(model_dirs: tuple[Path, Path]) -
     assert published["drafts"] == {k: sum(m.histogram) for k, m in seen.items()}
     assert published["accepted"] == {"false": 3, "true": 4}
     assert eng.external_hits["restored"] == 2 * CHUNK
+
+
+def test_short_remainders_wait_for_all_loads_before_the_forward(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """A step that may be replayed as a full CUDA graph runs no per-layer hooks."""
+    eng = engine(model_dirs)
+    tokens = prompt(16, 3 * CHUNK + 1)  # a hit leaves exactly one token to compute
+    eng.add_request("fresh", tokens, max_tokens=1)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.add_request("full-hit", tokens, max_tokens=1)
+    eng.add_request("long-tail", [*tokens[: 2 * CHUNK], *prompt(17, 3 * CHUNK)], max_tokens=1)
+    eng.run_until_done()
+    flags = [meta.wait_loads_before_forward for meta in eng.load_metas]
+    assert flags == [True]  # both loads share one step; one of them is short
+    eng.scheduler.reset_prefix_cache()
+    eng.add_request("long-tail-2", [*tokens[: 2 * CHUNK], *prompt(18, 3 * CHUNK)], max_tokens=1)
+    eng.run_until_done()
+    assert [meta.wait_loads_before_forward for meta in eng.load_metas[1:]] == [False]

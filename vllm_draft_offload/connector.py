@@ -98,6 +98,12 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 identity,
                 num_successors,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                decode_query_len=1
+                + (
+                    vllm_config.speculative_config.num_speculative_tokens
+                    if vllm_config.speculative_config is not None
+                    else 0
+                ),
             )
             # A failed restore must fall back to recomputing, never fail the request.
             transfer_config.kv_load_failure_policy = "recompute"

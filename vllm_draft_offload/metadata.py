@@ -54,6 +54,10 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # A request with stores in flight was preempted: its blocks may be reused
     # this step, so in-flight stores must finish before the forward.
     flush_stores: bool = False
+    # A loading request's step may run as a full CUDA graph (its query is as short
+    # as a decode step's), where per-layer hooks do not run: wait for all loads
+    # before the forward instead of layer by layer.
+    wait_loads_before_forward: bool = False
 
 
 @dataclass

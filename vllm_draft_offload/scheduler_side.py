@@ -71,12 +71,16 @@ class DraftOffloadScheduler:
         identity: dict[str, object],
         num_successors: int,
         world_size: int,
+        decode_query_len: int = 1,
     ) -> None:
         self.config = config
         self.layout = layout
         self.chunk_size = layout.chunk_size
         self.num_successors = num_successors
         self.world_size = world_size
+        # Tokens per request in a decode step (1 + speculative tokens): a step whose
+        # loading requests are no longer than this may be replayed as a full CUDA graph.
+        self.decode_query_len = decode_query_len
         self.salt = make_salt({**identity, "geometry": layout.fingerprint()})
         num_slots = config.cpu_bytes // layout.unit_bytes
         self.index = CpuTierIndex(num_slots)
@@ -296,6 +300,10 @@ class DraftOffloadScheduler:
         )
         for fetch in meta.fetches:
             self._jobs[fetch.job_id] = JobRecord("", "fetch", [])
+        meta.wait_loads_before_forward = any(
+            scheduler_output.num_scheduled_tokens.get(job.req_id, 0) <= self.decode_query_len
+            for job in meta.loads
+        )
         self._pending_loads, self._pending_finish_stores = [], []
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():

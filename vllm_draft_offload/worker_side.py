@@ -263,6 +263,8 @@ class DraftOffloadWorker:
                 self._last_load_event = event
             else:
                 run_descriptors_on_host(desc)
+        if meta.wait_loads_before_forward and self._last_load_event is not None:
+            torch.cuda.current_stream().wait_event(self._last_load_event)
         chunks = self._num_chunks(loads) if self.counts_chunks else 0
         if start_event is not None and self._last_load_event is not None:
             self._timed_loads.append(
