@@ -1,6 +1,10 @@
 """Test-wide environment: vLLM runs on the CPU platform, with no model hub."""
 
 import os
+import sys
+from pathlib import Path
+
+import pytest
 
 # Must be set before vllm is imported anywhere: platform detection reads them once.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -8,7 +12,16 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-import sys
-from pathlib import Path
-
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Config-only target and draft directories (the draft has another KV geometry)."""
+    from kv_sim import write_tiny_llama
+
+    root = tmp_path_factory.mktemp("models")
+    return (
+        write_tiny_llama(root / "target", layers=2, heads=1, kv_heads=1, head_dim=32),
+        write_tiny_llama(root / "draft", layers=1, heads=2, kv_heads=2, head_dim=64),
+    )

@@ -186,6 +186,11 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
     return vllm_config
 
 
+def prompt(seed: int, length: int) -> list[int]:
+    """Deterministic token ids, different per seed."""
+    return [(seed * 7919 + i * 37) % 900 + 10 for i in range(length)]
+
+
 def kv_value(layer: str, prefix: tuple[int, ...]) -> float:
     """Deterministic KV content for a position: exact in bf16 and fp32."""
     digest = hashlib.blake2b(repr((layer, prefix)).encode(), digest_size=4).digest()

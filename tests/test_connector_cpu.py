@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_sim import SimEngine, SimSetup, write_tiny_llama
+from kv_sim import SimEngine, SimSetup, prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from vllm_draft_offload.config import ConfigError
@@ -14,19 +14,6 @@ from vllm_draft_offload.connector import DraftOffloadConnector
 from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
 
 CHUNK = 32
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return [(seed * 7919 + i * 37) % 900 + 10 for i in range(length)]
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return (
-        write_tiny_llama(root / "target", layers=2, heads=1, kv_heads=1, head_dim=32),
-        write_tiny_llama(root / "draft", layers=1, heads=2, kv_heads=2, head_dim=64),
-    )
 
 
 def engine(model_dirs: tuple[Path, Path], **kwargs: object) -> SimEngine:

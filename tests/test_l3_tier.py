@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kv_sim import SimEngine, SimSetup, write_tiny_llama
+from kv_sim import SimEngine, SimSetup, prompt, write_tiny_llama
 from redis_fixture import RedisServer, redis_server_binary
 
 from vllm_draft_offload.l3_tier import object_key
@@ -26,19 +26,6 @@ L3_EXTRA = {
     "draft_offload.l3_staging_mb": 16,
     "save_chunk_meta": True,
 }
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return [(seed * 7919 + i * 37) % 900 + 10 for i in range(length)]
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return (
-        write_tiny_llama(root / "target", layers=2, heads=1, kv_heads=1, head_dim=32),
-        write_tiny_llama(root / "draft", layers=1, heads=2, kv_heads=2, head_dim=64),
-    )
 
 
 @pytest.fixture
