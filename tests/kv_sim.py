@@ -155,7 +155,8 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
         max_model_len=2048,
         skip_tokenizer_init=True,
     )
-    extra = {"chunk_size": setup.chunk_size, **setup.extra_config}
+    # Hit arithmetic in the tests assumes vLLM's own minimum of one computed token.
+    extra = {"chunk_size": setup.chunk_size, "min_compute_tokens": 1, **setup.extra_config}
     if setup.eagle:
         extra.setdefault("successor_tokens", 1)
     vllm_config = VllmConfig(

@@ -295,3 +295,17 @@ def test_short_remainders_wait_for_all_loads_before_the_forward(
     eng.add_request("long-tail-2", [*tokens[: 2 * CHUNK], *prompt(18, 3 * CHUNK)], max_tokens=1)
     eng.run_until_done()
     assert [meta.wait_loads_before_forward for meta in eng.load_metas[1:]] == [False]
+
+
+def test_draft_model_hits_leave_two_tokens_to_compute(model_dirs: tuple[Path, Path]) -> None:
+    """vLLM 0.33's draft_model proposer wastes the first draft after a 1-token step."""
+    eng = engine(model_dirs, extra_config={"min_compute_tokens": None})
+    tokens = prompt(19, 2 * CHUNK)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.add_request("restored", tokens, max_tokens=2)
+    eng.run_prefill("restored")
+    assert eng.external_hits["restored"] == 2 * CHUNK - 2
+    assert eng.mismatched_positions("restored") == []

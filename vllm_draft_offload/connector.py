@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.geometry import (
     build_unit_layout,
+    default_min_compute_tokens,
     drafter_identity,
     successor_tokens_needed,
     target_identity,
@@ -98,6 +99,8 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 identity,
                 num_successors,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                min_compute_tokens=self.config.min_compute_tokens
+                or default_min_compute_tokens(vllm_config),
                 decode_query_len=1
                 + (
                     vllm_config.speculative_config.num_speculative_tokens
@@ -207,6 +210,16 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until stores and storage fetches complete,
+        # so a finished request's blocks are released even when nothing else runs.
+        return self.scheduler.has_inflight_jobs()
+
+    def has_pending_block_frees(self) -> bool:
+        # Finished requests' blocks come back once their stores land: wait for
+        # that rather than preempting a running request.
+        return self.scheduler.has_finishing_stores()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -67,14 +67,15 @@ def match_prefix(
     chunk_size: int,
     num_successors: int,
     lookup: Lookup,
+    min_compute_tokens: int = 1,
 ) -> PrefixMatch:
     """Longest reusable prefix starting at `num_computed_tokens`.
 
     vLLM must compute at least one token of the request, so the prefix ends at
-    len(token_ids) - 1 at the latest.
+    len(token_ids) - min_compute_tokens (>= 1) at the latest.
     """
     num_tokens = len(token_ids)
-    limit = num_tokens - 1
+    limit = num_tokens - max(1, min_compute_tokens)
     match = PrefixMatch(num_computed_tokens, num_computed_tokens, [])
     chunk = num_computed_tokens // chunk_size
     while chunk < len(chunk_keys):

@@ -72,6 +72,7 @@ class DraftOffloadScheduler:
         num_successors: int,
         world_size: int,
         decode_query_len: int = 1,
+        min_compute_tokens: int = 1,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -81,6 +82,7 @@ class DraftOffloadScheduler:
         # Tokens per request in a decode step (1 + speculative tokens): a step whose
         # loading requests are no longer than this may be replayed as a full CUDA graph.
         self.decode_query_len = decode_query_len
+        self.min_compute_tokens = min_compute_tokens
         self.salt = make_salt({**identity, "geometry": layout.fingerprint()})
         num_slots = config.cpu_bytes // layout.unit_bytes
         self.index = CpuTierIndex(num_slots)
@@ -145,7 +147,13 @@ class DraftOffloadScheduler:
         tokens = state.request.all_token_ids
         keys = state.keys.extend(tokens)
         return match_prefix(
-            keys, tokens, num_computed_tokens, self.chunk_size, self.num_successors, self._lookup
+            keys,
+            tokens,
+            num_computed_tokens,
+            self.chunk_size,
+            self.num_successors,
+            self._lookup,
+            self.min_compute_tokens,
         )
 
     def get_num_new_matched_tokens(
@@ -411,6 +419,12 @@ class DraftOffloadScheduler:
 
     def has_inflight_jobs(self) -> bool:
         return bool(self._jobs)
+
+    def has_finishing_stores(self) -> bool:
+        return any(
+            record.direction == "store" and record.req_id not in self._requests
+            for record in self._jobs.values()
+        )
 
     def reset_cache(self) -> int:
         return self.index.clear_unpinned()
