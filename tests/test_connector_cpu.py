@@ -297,8 +297,10 @@ def test_short_remainders_wait_for_all_loads_before_the_forward(
     assert [meta.wait_loads_before_forward for meta in eng.load_metas[1:]] == [False]
 
 
-def test_draft_model_hits_leave_two_tokens_to_compute(model_dirs: tuple[Path, Path]) -> None:
-    """vLLM 0.33's draft_model proposer wastes the first draft after a 1-token step."""
+def test_hits_leave_two_tokens_to_compute_under_spec_decode(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """vLLM 0.33's proposers waste the first draft after a one-token first step."""
     eng = engine(model_dirs, extra_config={"min_compute_tokens": None})
     tokens = prompt(19, 2 * CHUNK)
     eng.add_request("fresh", tokens, max_tokens=2)

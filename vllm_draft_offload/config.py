@@ -51,8 +51,8 @@ class DraftOffloadConfig(BaseModel):
     # num_speculative_tokens for multi-module MTP, 0 otherwise).
     successor_tokens: int | None = Field(default=None, ge=0, le=64)
     # Tokens a restored request computes itself at least. None: 2 with a
-    # draft_model drafter (vLLM 0.33's draft-model proposer wastes the first
-    # draft of a request whose first step computes a single token), else 1.
+    # drafter (vLLM 0.33's proposers waste the first draft of a request whose
+    # first step computes a single token), else 1.
     min_compute_tokens: int | None = Field(default=None, ge=1, le=1024)
     # Also offload KV produced while decoding (multi-turn chat reuses it).
     store_decode: bool = True
