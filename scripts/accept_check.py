@@ -1,0 +1,442 @@
+#!/usr/bin/env python
+"""Acceptance-parity harness: does restored KV give the drafter the acceptance of fresh KV?
+
+Runs vLLM offline (``vllm.LLM``) in a subprocess on shared-prefix prompts built from
+the fixture's synthetic corpus, in phases, and writes one JSON file (:class:`AcceptCheckResult`).
+
+Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
+  fresh     base prompts, nothing cached
+  restored  ``reset_prefix_cache()`` first, same prompts: prefixes come from the
+            connector; outputs must equal ``fresh``, acceptance ratio restored/fresh ~ 1
+  extended  reset again, base prompts + continuations (prefix from the connector)
+
+``--corrupt-draft-kv`` plan (KV-sensitivity check, scripts/kv_probe_connector.py):
+  fresh             base prompts
+  extended          base + continuations, prefix from the GPU prefix cache
+  refill            reset, base prompts again (re-fills the cache with intact KV)
+  extended_corrupt  as ``extended``, but the drafter's KV of the cached prefix is
+                    zeroed first; outputs must equal ``extended`` (target KV intact),
+                    acceptance must drop (>= 30% on the gpu fixtures)
+
+Examples:
+  python scripts/accept_check.py --model F/target --spec-method eagle --draft F/eagle \\
+      --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"cpu_bytes_to_use":8000000000}}' --out res.json
+  python scripts/accept_check.py --model F/target --spec-method draft_model \\
+      --draft F/small-draft --corrupt-draft-kv --out sens.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+SCRIPTS_DIR = Path(__file__).resolve().parent
+SCHEMA_VERSION = 1
+SENSITIVITY_MIN_DROP = 0.30  # corrupted draft KV must cost >= 30% of the acceptance length
+
+# ----------------------------------------------------------------------------- schema
+
+
+class PhaseSpec(BaseModel):
+    name: str
+    prompts: Literal["base", "extended"]
+    reset_before: bool = False  # llm.reset_prefix_cache() before the phase
+    corrupt_draft_kv: bool = False  # requests ask the probe connector to corrupt draft KV
+    reference: str | None = None  # phase whose outputs / acceptance this one is compared to
+
+
+class RequestResult(BaseModel):
+    index: int
+    group: int
+    prompt_len: int
+    num_cached_tokens: int | None
+    output_token_ids: list[int]
+    acceptance_length: float | None = None  # per-request: 1 + accepted / drafts
+    num_drafts: int | None = None
+    num_accepted: int | None = None
+    matches_reference: bool | None = None
+    first_mismatch: int | None = None
+
+
+class PhaseResult(BaseModel):
+    spec: PhaseSpec
+    wall_s: float
+    # deltas of vLLM counters over the phase, summed over labels except those named
+    counters: dict[str, float] = Field(default_factory=dict)
+    cached_tokens_by_source: dict[str, float] = Field(default_factory=dict)
+    accepted_per_position: list[float] = Field(default_factory=list)
+    acceptance_length: float | None = None  # phase-level, from the counters
+    requests: list[RequestResult] = Field(default_factory=list)
+
+
+class Comparison(BaseModel):
+    phase: str
+    reference: str
+    acceptance_length: float | None
+    reference_acceptance_length: float | None
+    ratio: float | None  # phase / reference acceptance length
+    outputs_match: int
+    outputs_compared: int
+    mean_cached_tokens: float | None
+
+
+class Summary(BaseModel):
+    comparisons: list[Comparison] = Field(default_factory=list)
+    acceptance_ratio: float | None = None  # restored / fresh (default plan)
+    corruption_ratio: float | None = None  # extended_corrupt / extended (corrupt plan)
+    corruption_drop: float | None = None  # 1 - corruption_ratio
+    sensitivity_pass: bool | None = None  # corruption_drop >= SENSITIVITY_MIN_DROP
+    all_outputs_match: bool | None = None
+
+
+class Environment(BaseModel):
+    gpu: str
+    python: str
+    platform: str
+    versions: dict[str, str | None]
+
+
+class AcceptCheckResult(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    created: str
+    env: Environment
+    config: dict[str, Any]  # the resolved RunConfig + LLM kwargs, as run
+    prompts: dict[str, Any] = Field(default_factory=dict)
+    init_s: float | None = None
+    phases: list[PhaseResult] = Field(default_factory=list)
+    probe_report: dict[str, Any] | None = None
+    summary: Summary = Field(default_factory=Summary)
+    error: str | None = None  # engine crash / timeout, recorded instead of lost
+
+
+class RunConfig(BaseModel):
+    model: str
+    speculative_config: dict[str, Any] | None = None
+    kv_transfer_config: dict[str, Any] | None = None
+    corrupt_draft_kv: bool = False
+    corrupt_mode: Literal["zero", "noise"] = "zero"
+    prompt_tokens: int = 384
+    num_prompts: int = 4
+    prompts_per_group: int = 2
+    max_tokens: int = 48
+    prompt_seed: int = 0
+    dtype: str = "auto"
+    block_size: int | None = None
+    enforce_eager: bool = False
+    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    phases: list[PhaseSpec] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------ pure functions
+
+
+def plan_phases(corrupt_draft_kv: bool) -> list[PhaseSpec]:
+    if corrupt_draft_kv:
+        return [
+            PhaseSpec(name="fresh", prompts="base"),
+            PhaseSpec(name="extended", prompts="extended"),
+            PhaseSpec(name="refill", prompts="base", reset_before=True, reference="fresh"),
+            PhaseSpec(
+                name="extended_corrupt",
+                prompts="extended",
+                corrupt_draft_kv=True,
+                reference="extended",
+            ),
+        ]
+    return [
+        PhaseSpec(name="fresh", prompts="base"),
+        PhaseSpec(name="restored", prompts="base", reset_before=True, reference="fresh"),
+        PhaseSpec(name="extended", prompts="extended", reset_before=True),
+    ]
+
+
+def acceptance_length(num_drafts: float, num_accepted: float) -> float | None:
+    """vLLM's mean acceptance length: 1 + accepted draft tokens per verify step."""
+    return 1.0 + num_accepted / num_drafts if num_drafts > 0 else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def mark_matches(phase: PhaseResult, reference: PhaseResult) -> None:
+    """Fill matches_reference / first_mismatch of ``phase`` against ``reference``."""
+    ref = {r.index: r.output_token_ids for r in reference.requests}
+    for r in phase.requests:
+        if r.index in ref:
+            r.first_mismatch = first_mismatch(r.output_token_ids, ref[r.index])
+            r.matches_reference = r.first_mismatch is None
+
+
+def compare(phase: PhaseResult, reference: PhaseResult) -> Comparison:
+    compared = [r for r in phase.requests if r.matches_reference is not None]
+    cached = [r.num_cached_tokens for r in phase.requests if r.num_cached_tokens is not None]
+    return Comparison(
+        phase=phase.spec.name,
+        reference=reference.spec.name,
+        acceptance_length=phase.acceptance_length,
+        reference_acceptance_length=reference.acceptance_length,
+        ratio=ratio(phase.acceptance_length, reference.acceptance_length),
+        outputs_match=sum(bool(r.matches_reference) for r in compared),
+        outputs_compared=len(compared),
+        mean_cached_tokens=sum(cached) / len(cached) if cached else None,
+    )
+
+
+def summarize(phases: list[PhaseResult]) -> Summary:
+    """Comparisons of every phase with its reference, and the headline ratios."""
+    by_name = {p.spec.name: p for p in phases}
+    comps = []
+    for p in phases:
+        ref = by_name.get(p.spec.reference or "")
+        if ref is not None:
+            mark_matches(p, ref)
+            comps.append(compare(p, ref))
+    by_phase = {c.phase: c for c in comps}
+    summary = Summary(comparisons=comps)
+    if "restored" in by_phase:
+        summary.acceptance_ratio = by_phase["restored"].ratio
+    if "extended_corrupt" in by_phase and by_phase["extended_corrupt"].ratio is not None:
+        summary.corruption_ratio = by_phase["extended_corrupt"].ratio
+        summary.corruption_drop = 1.0 - summary.corruption_ratio
+        summary.sensitivity_pass = summary.corruption_drop >= SENSITIVITY_MIN_DROP
+    if comps:
+        summary.all_outputs_match = all(c.outputs_match == c.outputs_compared for c in comps)
+    return summary
+
+
+# ------------------------------------------------------------------ environment
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def collect_env() -> Environment:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return Environment(
+        gpu=gpu,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        versions={
+            d: _version(d)
+            for d in ("vllm", "torch", "transformers", "lmcache", "vllm-draft-offload")
+        },
+    )
+
+
+# ------------------------------------------------------------------ running
+
+
+def child_env() -> dict[str, str]:
+    """Environment of the engine subprocess: scripts/ importable (fixture helpers and
+    the probe connector, also in vLLM's own worker processes)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS_DIR), env.get("PYTHONPATH")]))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_engine_subprocess(cfg: RunConfig, result_path: Path, timeout_s: float) -> tuple[int, str]:
+    """Run the phases in a child process; returns (returncode, output tail).
+
+    The child rewrites ``result_path`` after every phase, so the phases that
+    finished before a crash survive it.
+    """
+    cfg_path = result_path.with_suffix(".config.json")
+    cfg_path.write_text(cfg.model_dump_json(indent=1))
+    engine = SCRIPTS_DIR / "_fixture_accept_engine.py"
+    cmd = [sys.executable, str(engine), str(cfg_path), str(result_path)]
+    # own session: on timeout the whole group (vLLM's worker processes too) is killed
+    proc = subprocess.Popen(
+        cmd,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, _ = proc.communicate()
+        return 124, f"timeout after {timeout_s}s\n{(out or '')[-4000:]}"
+    _kill_group(proc.pid)  # engine processes the child left behind hold GPU memory
+    return proc.returncode, (out or "")[-8000:]
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def finish_result(
+    raw: dict[str, Any] | None, cfg: RunConfig, rc: int, tail: str
+) -> AcceptCheckResult:
+    if raw is None:  # the engine process died before writing anything
+        raw = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "env": collect_env().model_dump(),
+            "config": {"run": cfg.model_dump()},
+        }
+    result = AcceptCheckResult.model_validate(raw)
+    if rc != 0 and result.error is None:
+        result.error = f"engine subprocess exited with {rc}:\n{tail}"
+    result.summary = summarize(result.phases)
+    return result
+
+
+def run(cfg: RunConfig, timeout_s: float = 3600.0) -> AcceptCheckResult:
+    with tempfile.TemporaryDirectory(prefix="accept_check_") as tmp:
+        result_path = Path(tmp) / "result.json"
+        rc, tail = run_engine_subprocess(cfg, result_path, timeout_s)
+        raw = json.loads(result_path.read_text()) if result_path.exists() else None
+    return finish_result(raw, cfg, rc, tail)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def _json_arg(text: str | None) -> Any:
+    if text is None or text.strip().lower() in ("", "none", "null"):
+        return None
+    return json.loads(text)
+
+
+def _default_prompt_tokens(model: str) -> int:
+    """Fixture-aware default: long prompts for gpu fixtures, short for CPU ones."""
+    meta = Path(model) / "fixture_meta.json"
+    preset = json.loads(meta.read_text()).get("preset") if meta.exists() else None
+    return {"gpu": 4096, "cpu": 448, "tiny": 256}.get(preset or "", 1024)
+
+
+def build_config(args: argparse.Namespace) -> RunConfig:
+    spec = _json_arg(args.speculative_config)
+    if spec is None and args.spec_method != "none":
+        if not args.draft and args.spec_method != "ngram":
+            raise SystemExit("--draft is required with --spec-method " + args.spec_method)
+        spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens}
+        if args.draft:
+            spec["model"] = args.draft
+    kv = _json_arg(args.kv_transfer_config)
+    if args.corrupt_draft_kv and kv is not None:
+        raise SystemExit(
+            "--corrupt-draft-kv uses its own probe connector; drop --kv-transfer-config"
+        )
+    return RunConfig(
+        model=args.model,
+        speculative_config=spec,
+        kv_transfer_config=kv,
+        corrupt_draft_kv=args.corrupt_draft_kv,
+        corrupt_mode=args.corrupt_mode,
+        prompt_tokens=args.prompt_tokens or _default_prompt_tokens(args.model),
+        num_prompts=args.num_prompts,
+        prompts_per_group=args.prompts_per_group,
+        max_tokens=args.max_tokens,
+        prompt_seed=args.prompt_seed,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        enforce_eager=args.enforce_eager,
+        llm_kwargs=_json_arg(args.llm_kwargs) or {},
+        phases=plan_phases(args.corrupt_draft_kv),
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", required=True, help="target model dir")
+    ap.add_argument(
+        "--spec-method", default="none", choices=["none", "draft_model", "eagle", "eagle3", "ngram"]
+    )
+    ap.add_argument("--draft", help="drafter dir (draft model or EAGLE head)")
+    ap.add_argument("--num-spec-tokens", type=int, default=3)
+    ap.add_argument(
+        "--speculative-config", help="JSON; overrides --spec-method/--draft/--num-spec-tokens"
+    )
+    ap.add_argument("--kv-transfer-config", help="JSON for any connector, or 'none'")
+    ap.add_argument(
+        "--corrupt-draft-kv", action="store_true", help="KV-sensitivity plan (probe connector)"
+    )
+    ap.add_argument("--corrupt-mode", choices=["zero", "noise"], default="zero")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="default: by fixture preset")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--prompts-per-group", type=int, default=2, help="prompts sharing one prefix")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompt-seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--block-size", type=int, default=None, help="default: vLLM's (32 on CPU)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--llm-kwargs", help="JSON of extra vllm.LLM kwargs (applied last)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="engine subprocess timeout (s)")
+    ap.add_argument("--out", type=Path, help="result JSON (default: stdout only)")
+    return ap.parse_args(argv)
+
+
+def format_summary(result: AcceptCheckResult) -> str:
+    lines = [
+        f"gpu={result.env.gpu} vllm={result.env.versions.get('vllm')} error={bool(result.error)}"
+    ]
+    for p in result.phases:
+        cached = [r.num_cached_tokens or 0 for r in p.requests]
+        sources = {k: v for k, v in p.cached_tokens_by_source.items() if v}
+        lines.append(
+            f"  {p.spec.name:17s} AL={p.acceptance_length} cached={cached} "
+            f"by_source={sources} {p.wall_s:.1f}s"
+        )
+    s = result.summary
+    for c in s.comparisons:
+        match = f"{c.outputs_match}/{c.outputs_compared}"
+        lines.append(f"  {c.phase} vs {c.reference}: ratio={c.ratio} outputs {match}")
+    if s.corruption_drop is not None:
+        lines.append(f"  corruption drop={s.corruption_drop:.3f} pass={s.sensitivity_pass}")
+    if result.error:
+        lines.append("  ERROR: " + result.error.strip().splitlines()[0])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(build_config(args), timeout_s=args.timeout)
+    text = result.model_dump_json(indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(format_summary(result))
+    return 0 if result.error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

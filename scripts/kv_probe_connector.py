@@ -1,0 +1,240 @@
+"""KV probe connector for the fixtures' KV-sensitivity check (no project code involved).
+
+Loaded by vLLM through ``kv_connector_module_path``::
+
+    kv_transfer_config = {
+        "kv_connector": "KVProbeConnector",
+        "kv_connector_module_path": "kv_probe_connector",   # scripts/ on PYTHONPATH
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"corrupt_draft": False, "report_path": "probe.json"},
+    }
+
+It never loads or stores anything.  For requests that opted in (sampling params
+``extra_args={"kv_probe_corrupt_draft": True}``, or every request with
+``corrupt_draft: true``) it overwrites, before the drafter's first forward, the
+*draft layers'* KV of the blocks the request got from the prefix cache.  Target
+layers are never touched, so greedy outputs must stay identical while the
+acceptance length drops if the drafter really reads that KV.
+
+Scheduler side: ``build_connector_meta`` lists, per KV-cache group, the first
+``num_computed_tokens // block_size`` blocks of each opted-in new request.
+Worker side: ``register_kv_caches`` finds the draft layers through
+``static_forward_context[name].is_draft_layer`` (set by vLLM's proposer when it
+loads the drafter); ``start_load_kv`` (which vLLM calls after the target forward
+and before the drafter runs, on both model runners) zeroes (or noises) those
+blocks in each draft layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+CORRUPT_ARG = "kv_probe_corrupt_draft"  # SamplingParams.extra_args key
+CONNECTOR_NAME = "KVProbeConnector"
+MODULE_NAME = "kv_probe_connector"
+
+
+@dataclass
+class ProbeMetadata(KVConnectorMetadata):
+    # kv-cache group index -> block ids whose draft-layer KV is to be corrupted
+    corrupt_blocks: dict[int, list[int]] = field(default_factory=dict)
+    # (request id, prefix-cache tokens) of the requests those blocks belong to
+    requests: list[tuple[str, int]] = field(default_factory=list)
+
+
+def wants_corruption(req: NewRequestData, corrupt_all: bool) -> bool:
+    if corrupt_all:
+        return True
+    params = req.sampling_params
+    return bool(params is not None and (params.extra_args or {}).get(CORRUPT_ARG))
+
+
+def cached_blocks(req: NewRequestData, block_sizes: list[int]) -> dict[int, list[int]]:
+    """Per group, the blocks fully covered by the request's prefix-cache hit."""
+    return {
+        g: list(ids[: req.num_computed_tokens // block_sizes[g]])
+        for g, ids in enumerate(req.block_ids)
+        if req.num_computed_tokens >= block_sizes[g]
+    }
+
+
+class KVProbeConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.corrupt_all = bool(extra.get("corrupt_draft", False))
+        self.mode = str(extra.get("corrupt_mode", "zero"))
+        if self.mode not in ("zero", "noise"):
+            raise ValueError(f"corrupt_mode must be zero|noise, got {self.mode!r}")
+        self.report_path: str | None = extra.get("report_path")
+        self._vllm_config = vllm_config
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
+        self.block_sizes = [g.kv_cache_spec.block_size for g in groups] or [
+            vllm_config.cache_config.block_size
+        ]
+        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
+        self.layer_group = {n: i for i, g in enumerate(groups) for n in g.layer_names}
+        # worker state
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.draft_layers: list[str] = []
+        self.skipped_layers: dict[str, str] = {}
+        self.corrupted: dict[str, int] = defaultdict(int)
+        self.corrupted_requests: list[tuple[str, int]] = []
+
+    # ------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ProbeMetadata:
+        meta = ProbeMetadata()
+        for req in scheduler_output.scheduled_new_reqs:
+            if not wants_corruption(req, self.corrupt_all):
+                continue
+            blocks = cached_blocks(req, self.block_sizes)
+            if not blocks:
+                continue
+            for g, ids in blocks.items():
+                meta.corrupt_blocks.setdefault(g, []).extend(ids)
+            meta.requests.append((req.req_id, req.num_computed_tokens))
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        target_ptrs = {
+            t.data_ptr()
+            for n, t in kv_caches.items()
+            if not getattr(ctx.get(n), "is_draft_layer", False)
+        }
+        for name, tensor in kv_caches.items():
+            if not getattr(ctx.get(name), "is_draft_layer", False):
+                continue
+            # a drafter sharing the target's KV tensor cannot be corrupted alone
+            if tensor.data_ptr() in target_ptrs:
+                self.skipped_layers[name] = "shares storage with a target layer"
+            elif self.num_blocks and tensor.shape[0] % self.num_blocks:
+                self.skipped_layers[name] = (
+                    f"dim0 {tensor.shape[0]} not a multiple of {self.num_blocks}"
+                )
+            else:
+                self.draft_layers.append(name)
+        self._write_report()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ProbeMetadata)
+        if not meta.corrupt_blocks:
+            return
+        for name in self.draft_layers:
+            ids = meta.corrupt_blocks.get(self.layer_group.get(name, 0))
+            if ids:
+                self._corrupt(name, ids)
+        self.corrupted_requests.extend(meta.requests)
+        self._write_report()
+
+    def _corrupt(self, name: str, block_ids: list[int]) -> None:
+        cache = self.kv_caches[name]
+        view = group_kernel_blocks(cache, self.num_blocks) if self.num_blocks else cache
+        idx = torch.tensor(sorted(set(block_ids)), device=cache.device, dtype=torch.long)
+        if self.mode == "zero":
+            view[idx] = 0
+        else:  # noise with the scale of the real content, so the drafter can't ignore it
+            sel = view[idx].float()
+            view[idx] = (torch.randn_like(sel) * sel.std().clamp_min(1e-3)).to(cache.dtype)
+        self.corrupted[name] += int(idx.numel())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def report(self) -> dict[str, Any]:
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        return {
+            "mode": self.mode,
+            "num_blocks": self.num_blocks,
+            "layers": {
+                n: {
+                    "draft": bool(getattr(ctx.get(n), "is_draft_layer", False)),
+                    "shape": list(t.shape),
+                    "group": self.layer_group.get(n, 0),
+                }
+                for n, t in self.kv_caches.items()
+            },
+            "draft_layers": self.draft_layers,
+            "skipped_layers": self.skipped_layers,
+            "corrupted_blocks": dict(self.corrupted),
+            "corrupted_requests": self.corrupted_requests,
+        }
+
+    def _write_report(self) -> None:
+        if not self.report_path:
+            return
+        tmp = f"{self.report_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.report(), f, indent=1)
+        os.replace(tmp, self.report_path)
+
+
+def probe_transfer_config(
+    corrupt_all: bool = False, report_path: str | None = None, mode: str = "zero"
+) -> dict[str, Any]:
+    """The ``kv_transfer_config`` dict that loads this connector (scripts/ on PYTHONPATH)."""
+    extra: dict[str, Any] = {"corrupt_draft": corrupt_all, "corrupt_mode": mode}
+    if report_path:
+        extra["report_path"] = report_path
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": MODULE_NAME,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }

@@ -1,0 +1,294 @@
+"""Acceptance-parity harness (scripts/accept_check.py).
+
+Schema and ratio logic are checked on a recorded run (tests/data/accept_check_example.json,
+a --corrupt-draft-kv run on the cpu-preset fixtures).  The e2e tests run the real
+harness (vLLM on CPU, in a subprocess) on tiny fixtures built here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from accept_check import (  # noqa: E402
+    SENSITIVITY_MIN_DROP,
+    AcceptCheckResult,
+    PhaseResult,
+    acceptance_length,
+    build_config,
+    first_mismatch,
+    main,
+    parse_args,
+    plan_phases,
+    ratio,
+    summarize,
+)
+
+EXAMPLE = Path(__file__).parent / "data" / "accept_check_example.json"
+
+
+@pytest.fixture
+def example() -> AcceptCheckResult:
+    return AcceptCheckResult.model_validate_json(EXAMPLE.read_text())
+
+
+# ------------------------------------------------------------------ pure functions
+
+
+def test_acceptance_length_and_ratio() -> None:
+    assert acceptance_length(10, 25) == 3.5
+    assert acceptance_length(0, 0) is None  # no speculation happened
+    assert ratio(3.0, 4.0) == 0.75
+    assert ratio(None, 4.0) is None and ratio(3.0, 0.0) is None and ratio(3.0, None) is None
+
+
+def test_first_mismatch() -> None:
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 9, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def test_phase_plans() -> None:
+    default = plan_phases(corrupt_draft_kv=False)
+    assert [p.name for p in default] == ["fresh", "restored", "extended"]
+    assert default[1].reset_before and default[1].reference == "fresh"
+    assert not any(p.corrupt_draft_kv for p in default)
+    corrupt = {p.name: p for p in plan_phases(corrupt_draft_kv=True)}
+    # same prompts and the same prefix-cache state, only the corruption differs
+    normal, bad = corrupt["extended"], corrupt["extended_corrupt"]
+    assert bad.corrupt_draft_kv and bad.reference == "extended" and bad.prompts == normal.prompts
+    assert corrupt["refill"].reset_before and not bad.reset_before and not normal.reset_before
+
+
+# ------------------------------------------------------------------ recorded example
+
+
+def test_example_matches_schema(example: AcceptCheckResult) -> None:
+    raw = json.loads(EXAMPLE.read_text())
+    assert raw["schema_version"] == 1 and example.error is None
+    assert example.env.gpu and example.env.versions["vllm"] == "0.33.0"
+    assert example.config["run"]["corrupt_draft_kv"] is True
+    assert [p.spec.name for p in example.phases] == [
+        "fresh",
+        "extended",
+        "refill",
+        "extended_corrupt",
+    ]
+    for phase in example.phases:
+        assert len(phase.requests) == example.config["run"]["num_prompts"]
+        assert phase.counters["vllm:spec_decode_num_drafts"] > 0
+    # the recorded JSON round-trips through the schema unchanged
+    assert json.loads(example.model_dump_json()) == raw
+
+
+def test_phase_acceptance_is_recomputed_from_counters(example: AcceptCheckResult) -> None:
+    for phase in example.phases:
+        c = phase.counters
+        expected = 1 + c["vllm:spec_decode_num_accepted_tokens"] / c["vllm:spec_decode_num_drafts"]
+        assert phase.acceptance_length == pytest.approx(expected)
+        # per-request metrics add up to the phase counters
+        assert sum(r.num_drafts or 0 for r in phase.requests) == c["vllm:spec_decode_num_drafts"]
+        assert sum(phase.accepted_per_position) == c["vllm:spec_decode_num_accepted_tokens"]
+
+
+def test_summary_of_example_is_reproduced(example: AcceptCheckResult) -> None:
+    recorded = example.summary
+    phases = {p.spec.name: p for p in example.phases}
+    summary = summarize(example.phases)
+    assert summary == recorded
+    expected = phases["extended_corrupt"].acceptance_length / phases["extended"].acceptance_length
+    assert summary.corruption_ratio == pytest.approx(expected)
+    assert summary.corruption_drop == pytest.approx(1 - expected)
+    assert summary.sensitivity_pass is (1 - expected >= SENSITIVITY_MIN_DROP)
+    assert summary.all_outputs_match is True
+    # corruption hit the cached prefix only: the same cached tokens, other acceptance
+    for bad, good in zip(
+        phases["extended_corrupt"].requests, phases["extended"].requests, strict=True
+    ):
+        assert bad.num_cached_tokens == good.num_cached_tokens > 0
+
+
+def test_summary_flags_output_mismatch_and_restored_ratio(example: AcceptCheckResult) -> None:
+    phases = [p.model_copy(deep=True) for p in example.phases[:3]]
+    fresh, _, refill = phases
+    refill.spec.name = "restored"  # read it as a default-plan run: restored vs fresh
+    refill.requests[0].output_token_ids[2] += 1
+    summary = summarize([fresh, refill])
+    assert summary.acceptance_ratio == pytest.approx(
+        refill.acceptance_length / fresh.acceptance_length
+    )
+    assert summary.corruption_ratio is None and summary.all_outputs_match is False
+    assert refill.requests[0].matches_reference is False and refill.requests[0].first_mismatch == 2
+    assert summary.comparisons[0].outputs_match == len(refill.requests) - 1
+
+
+def test_summary_without_spec_decode_has_no_ratio() -> None:
+    fresh, restored = (
+        PhaseResult.model_validate({"spec": spec.model_dump(), "wall_s": 0.1})
+        for spec in plan_phases(False)[:2]
+    )
+    s = summarize([fresh, restored])
+    assert s.acceptance_ratio is None and s.comparisons[0].acceptance_length is None
+
+
+# ------------------------------------------------------------------ CLI config
+
+
+def test_cli_builds_spec_and_connector_configs(tmp_path: Path) -> None:
+    (tmp_path / "fixture_meta.json").write_text(json.dumps({"preset": "gpu"}))
+    cfg = build_config(
+        parse_args(
+            ["--model", str(tmp_path), "--spec-method", "eagle3", "--draft", "d",
+             "--num-spec-tokens", "5", "--kv-transfer-config",
+             '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}',
+             "--llm-kwargs", '{"gpu_memory_utilization": 0.5}']
+        )
+    )  # fmt: skip
+    assert cfg.speculative_config == {"method": "eagle3", "model": "d", "num_speculative_tokens": 5}
+    assert cfg.kv_transfer_config["kv_connector"] == "OffloadingConnector"
+    assert cfg.prompt_tokens == 4096  # gpu fixtures get long prompts by default
+    assert cfg.llm_kwargs == {"gpu_memory_utilization": 0.5}
+    assert [p.name for p in cfg.phases] == ["fresh", "restored", "extended"]
+    raw = '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}'
+    cfg = build_config(parse_args(["--model", "m", "--speculative-config", raw]))
+    assert cfg.speculative_config["model"] == "x" and cfg.kv_transfer_config is None
+    with pytest.raises(SystemExit):  # the probe connector replaces any other connector
+        build_config(
+            parse_args(["--model", "m", "--corrupt-draft-kv", "--kv-transfer-config", "{}"])
+        )
+
+
+# ------------------------------------------------------------------ probe connector
+
+
+def _new_request(computed: int, corrupt: bool | None):  # -> NewRequestData
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData
+
+    extra = None if corrupt is None else {"kv_probe_corrupt_draft": corrupt}
+    return NewRequestData(
+        req_id="r",
+        prompt_token_ids=list(range(100)),
+        mm_features=[],
+        sampling_params=SamplingParams(extra_args=extra),
+        pooling_params=None,
+        block_ids=([10, 11, 12, 13], [20, 21]),
+        num_computed_tokens=computed,
+        lora_request=None,
+    )
+
+
+def test_probe_picks_only_prefix_cache_blocks_of_opted_in_requests() -> None:
+    from kv_probe_connector import cached_blocks, probe_transfer_config, wants_corruption
+
+    # group 0 has 32-token blocks, group 1 64-token blocks: 70 cached tokens
+    # cover two full blocks of group 0 and one of group 1; partial blocks are
+    # recomputed by vLLM and must stay intact
+    assert cached_blocks(_new_request(70, True), [32, 64]) == {0: [10, 11], 1: [20]}
+    assert cached_blocks(_new_request(31, True), [32, 64]) == {}
+    assert wants_corruption(_new_request(70, True), corrupt_all=False)
+    assert not wants_corruption(_new_request(70, None), corrupt_all=False)
+    assert not wants_corruption(_new_request(70, False), corrupt_all=False)
+    assert wants_corruption(_new_request(70, None), corrupt_all=True)
+    cfg = probe_transfer_config(report_path="r.json")
+    assert cfg["kv_connector_module_path"] == "kv_probe_connector"
+    assert cfg["kv_connector_extra_config"] == {
+        "corrupt_draft": False,
+        "corrupt_mode": "zero",
+        "report_path": "r.json",
+    }
+
+
+# ------------------------------------------------------------------ end to end (CPU vLLM)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from make_fixtures import build_fixtures
+
+    out = tmp_path_factory.mktemp("tiny_fixtures")
+    build_fixtures(out, seed=0, preset_name="tiny", max_steps=3, log=lambda _s: None)
+    return out
+
+
+def _run(tiny: Path, tmp_path: Path, *extra: str) -> tuple[int, AcceptCheckResult]:
+    out = tmp_path / "result.json"
+    args = [
+        "--model",
+        str(tiny / "target"),
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "24",
+        "--out",
+        str(out),
+    ]
+    rc = main([*args, *extra])
+    return rc, AcceptCheckResult.model_validate_json(out.read_text())
+
+
+@pytest.mark.e2e
+def test_e2e_self_draft_restored_parity(tiny: Path, tmp_path: Path) -> None:
+    draft = ["--spec-method", "draft_model", "--draft", str(tiny / "self-draft")]
+    rc, res = _run(tiny, tmp_path, *draft)
+    assert rc == 0 and res.error is None, res.error
+    fresh, restored, extended = res.phases
+    assert fresh.acceptance_length > 3.5  # self-speculation: nearly all 3 drafts accepted
+    assert res.summary.acceptance_ratio == pytest.approx(1.0)
+    assert res.summary.all_outputs_match
+    # no connector: after the reset nothing is restored, so this is a plain recompute
+    assert [r.num_cached_tokens for r in restored.requests] == [
+        r.num_cached_tokens for r in fresh.requests
+    ]
+    assert all(r.prompt_len > fresh.requests[i].prompt_len for i, r in enumerate(extended.requests))
+    assert res.env.gpu == "cpu" and res.config["llm_kwargs"]["block_size"] == 32
+
+
+@pytest.mark.e2e
+def test_e2e_corrupting_draft_kv_drops_acceptance_only(tiny: Path, tmp_path: Path) -> None:
+    draft = ["--spec-method", "draft_model", "--draft", str(tiny / "self-draft")]
+    rc, res = _run(tiny, tmp_path, *draft, "--corrupt-draft-kv")
+    assert rc == 0 and res.error is None, res.error
+    s = res.summary
+    assert s.sensitivity_pass and s.corruption_drop >= SENSITIVITY_MIN_DROP
+    assert s.all_outputs_match  # greedy outputs unchanged: the target's KV was not touched
+    report = res.probe_report
+    assert report["draft_layers"] == [n for n, v in report["layers"].items() if v["draft"]]
+    assert report["draft_layers"] and all(
+        n.startswith("draft_model.") for n in report["draft_layers"]
+    )
+    assert set(report["corrupted_blocks"]) == set(report["draft_layers"])
+    assert len(report["corrupted_requests"]) == 2  # only the extended_corrupt phase's requests
+
+
+CRASHY_CONNECTOR = """
+import os
+from kv_probe_connector import KVProbeConnector
+
+class CrashyConnector(KVProbeConnector):
+    def register_kv_caches(self, kv_caches):
+        os.abort()  # a hard engine death (as a native-code crash), not a Python error
+"""
+
+
+@pytest.mark.e2e
+def test_e2e_engine_crash_is_recorded(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "crashy_connector.py").write_text(CRASHY_CONNECTOR)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    kv = {
+        "kv_connector": "CrashyConnector",
+        "kv_connector_module_path": "crashy_connector",
+        "kv_role": "kv_both",
+    }
+    rc, res = _run(tiny, tmp_path, "--kv-transfer-config", json.dumps(kv))
+    assert rc == 1 and res.phases == []
+    assert res.error.startswith("engine subprocess exited with -6")  # SIGABRT
+    assert res.config["llm_kwargs"]["kv_transfer_config"] == kv  # the config that crashed
+    assert res.env.versions["torch"]
