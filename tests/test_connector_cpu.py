@@ -311,3 +311,15 @@ def test_hits_leave_two_tokens_to_compute_under_spec_decode(
     eng.run_prefill("restored")
     assert eng.external_hits["restored"] == 2 * CHUNK - 2
     assert eng.mismatched_positions("restored") == []
+
+
+def test_stalled_jobs_stop_holding_the_engine_loop(model_dirs: tuple[Path, Path]) -> None:
+    import vllm_draft_offload.scheduler_side as scheduler_side
+
+    eng = engine(model_dirs)
+    connector = eng.scheduler.connector
+    eng.add_request("a", prompt(20, 2 * CHUNK + 1), max_tokens=1)
+    eng.scheduler.schedule()  # store jobs issued; no worker ever reports them
+    assert connector.has_pending_push_work()
+    connector.scheduler._last_progress -= scheduler_side.STALL_S + 1
+    assert not connector.has_pending_push_work()

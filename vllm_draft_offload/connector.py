@@ -214,7 +214,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until stores and storage fetches complete,
         # so a finished request's blocks are released even when nothing else runs.
-        return self.scheduler.has_inflight_jobs()
+        return self.scheduler.keeps_engine_busy()
 
     def has_pending_block_frees(self) -> bool:
         # Finished requests' blocks come back once their stores land: wait for

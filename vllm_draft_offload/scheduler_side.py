@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from vllm_draft_offload.l3_prefetch import L3Prefetch
 
 logger = logging.getLogger(__name__)
+
+# Seconds without any finished job after which in-flight jobs no longer keep
+# the engine stepping.
+STALL_S = 60.0
 
 
 @dataclass
@@ -93,6 +98,7 @@ class DraftOffloadScheduler:
         self._pending_finish_stores: list[TransferJob] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self.stats = DraftOffloadStats()
+        self._last_progress = time.monotonic()
         self.l3: L3Prefetch | None = None
         if config.l3.enabled:
             # LMCache is imported only when its tier is configured.
@@ -215,7 +221,7 @@ class DraftOffloadScheduler:
                         block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
                     )
         job = TransferJob(next(self._job_ids), request.request_id, "load", host_pages, gpu_blocks)
-        self._jobs[job.job_id] = JobRecord(request.request_id, "load", units)
+        self._add_job(job.job_id, JobRecord(request.request_id, "load", units))
         state.inflight_jobs.add(job.job_id)
         state.restored_tokens = match.num_tokens
         # Chunks already in the tier need no store; skip past them.
@@ -296,7 +302,7 @@ class DraftOffloadScheduler:
             for unit_id in units:
                 self.index.pin(unit_id)
             self._snapshot_pins[job.job_id] = [units, 0]
-        self._jobs[job.job_id] = JobRecord(state.request.request_id, "store", units)
+        self._add_job(job.job_id, JobRecord(state.request.request_id, "store", units))
         state.inflight_jobs.add(job.job_id)
         return job
 
@@ -307,7 +313,7 @@ class DraftOffloadScheduler:
             fetches=self.l3.take_fetch_jobs() if self.l3 is not None else [],
         )
         for fetch in meta.fetches:
-            self._jobs[fetch.job_id] = JobRecord("", "fetch", [])
+            self._add_job(fetch.job_id, JobRecord("", "fetch", []))
         meta.wait_loads_before_forward = any(
             scheduler_output.num_scheduled_tokens.get(job.req_id, 0) <= self.decode_query_len
             for job in meta.loads
@@ -393,9 +399,15 @@ class DraftOffloadScheduler:
                     record.reports += count
                     self._maybe_complete(job_id, record)
 
+    def _add_job(self, job_id: int, record: JobRecord) -> None:
+        if not self._jobs:
+            self._last_progress = time.monotonic()  # the stall clock starts now
+        self._jobs[job_id] = record
+
     def _maybe_complete(self, job_id: int, record: JobRecord) -> None:
         if record.reports < self.world_size:
             return
+        self._last_progress = time.monotonic()
         del self._jobs[job_id]
         if record.direction == "fetch":
             assert self.l3 is not None
@@ -419,6 +431,23 @@ class DraftOffloadScheduler:
 
     def has_inflight_jobs(self) -> bool:
         return bool(self._jobs)
+
+    def keeps_engine_busy(self) -> bool:
+        """In-flight jobs that are still making progress.
+
+        Jobs that have not moved for STALL_S (a worker gone during shutdown,
+        say) stop holding the engine loop, so it can never spin forever.
+        """
+        if not self._jobs:
+            return False
+        if time.monotonic() - self._last_progress < STALL_S:
+            return True
+        logger.warning(
+            "DraftOffloadConnector: %d transfer job(s) made no progress for %.0f s",
+            len(self._jobs),
+            STALL_S,
+        )
+        return False
 
     def has_finishing_stores(self) -> bool:
         return any(
