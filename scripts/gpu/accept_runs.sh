@@ -3,6 +3,8 @@
 #   scripts/gpu/accept_runs.sh FIXTURES OUTDIR NAME:METHOD:DRAFT:CONNECTOR ...
 # CONNECTOR is ours | native | lmcache | none | corrupt (the KV-sensitivity probe).
 set -uo pipefail
+# On a bare machine FlashInfer JIT-builds its sampler for minutes at engine start.
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 F=$1; OUT=$2; shift 2
 mkdir -p "$OUT"
 declare -A KV=(
