@@ -292,3 +292,25 @@ def test_e2e_engine_crash_is_recorded(
     assert res.error.startswith("engine subprocess exited with -6")  # SIGABRT
     assert res.config["llm_kwargs"]["kv_transfer_config"] == kv  # the config that crashed
     assert res.env.versions["torch"]
+
+
+@pytest.mark.e2e
+def test_e2e_draft_offload_restores_target_and_draft_kv(tiny: Path, tmp_path: Path) -> None:
+    """Real vLLM on CPU with DraftOffloadConnector: the restored prefix comes from
+    the CPU tier, and acceptance and outputs equal the fresh prefill's."""
+    ours = {
+        "kv_connector": "DraftOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 400_000_000, "chunk_size": 32},
+    }
+    draft = ["--spec-method", "draft_model", "--draft", str(tiny / "self-draft")]
+    rc, res = _run(tiny, tmp_path, *draft, "--kv-transfer-config", json.dumps(ours))
+    assert rc == 0 and res.error is None, res.error
+    fresh, restored, _ = res.phases
+    # every prompt token comes back except the two the connector leaves to compute
+    assert [r.num_cached_tokens for r in restored.requests] == [
+        r.prompt_len - 2 for r in restored.requests
+    ]
+    assert restored.counters["vllm:draft_offload_loaded_bytes"] > 0
+    assert res.summary.acceptance_ratio == pytest.approx(1.0)
+    assert res.summary.all_outputs_match
