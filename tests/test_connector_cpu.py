@@ -323,3 +323,30 @@ def test_stalled_jobs_stop_holding_the_engine_loop(model_dirs: tuple[Path, Path]
     assert connector.has_pending_push_work()
     connector.scheduler._last_progress -= scheduler_side.STALL_S + 1
     assert not connector.has_pending_push_work()
+
+
+def test_unit_evicted_between_lookup_and_load_means_recompute(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    eng = engine(model_dirs)
+    tokens = prompt(21, 2 * CHUNK + 3)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    sched = eng.scheduler.connector.scheduler
+    real_lookup = sched.get_num_new_matched_tokens
+
+    def lookup_then_evict(request, num_computed_tokens):  # noqa: ANN001, ANN202
+        result = real_lookup(request, num_computed_tokens)
+        sched.index.clear_unpinned()  # e.g. another request's fetch took the slots
+        return result
+
+    sched.get_num_new_matched_tokens = lookup_then_evict
+    eng.add_request("restored", tokens, max_tokens=2)
+    eng.run_prefill("restored")
+    sched.get_num_new_matched_tokens = real_lookup
+    assert eng.mismatched_positions("restored") == []
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]
+    assert eng.take_published()["fallbacks"] == {"load_error": 1}

@@ -204,23 +204,36 @@ class DraftOffloadScheduler:
         units: list[UnitId] = []
         host_pages: list[list[int]] = [[] for _ in self.layout.groups]
         gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
+        vanished = False
         for chunk, view in match.chunks:
             if chunk * self.chunk_size >= match.end_token:
                 break
             unit_id: UnitId = view.handle  # type: ignore[assignment]
             entry = self.index.get(unit_id)
-            assert entry is not None and entry.ready, "matched unit vanished before load"
-            self.index.pin(unit_id)
-            units.append(unit_id)
+            if entry is None or not entry.ready:
+                # Evicted between lookup and allocation: vLLM already counts these
+                # tokens as loaded, so the worker must report the blocks for recompute.
+                vanished, slot = True, -1
+            else:
+                self.index.pin(unit_id)
+                units.append(unit_id)
+                slot = entry.slot
             for g, group in enumerate(self.layout.groups):
                 for page in pages_for_chunk(
                     chunk, self.chunk_size, group.block_size, match.start_token, match.end_token
                 ):
-                    host_pages[g].append(entry.slot * group.blocks_per_chunk + page)
+                    host_pages[g].append(slot * group.blocks_per_chunk + page)
                     gpu_blocks[g].append(
                         block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
                     )
-        job = TransferJob(next(self._job_ids), request.request_id, "load", host_pages, gpu_blocks)
+        job = TransferJob(
+            next(self._job_ids),
+            request.request_id,
+            "load",
+            host_pages,
+            gpu_blocks,
+            invalid=vanished,
+        )
         self._add_job(job.job_id, JobRecord(request.request_id, "load", units))
         state.inflight_jobs.add(job.job_id)
         state.restored_tokens = match.num_tokens
