@@ -44,6 +44,7 @@ def test_round_trip_is_bit_exact_for_every_layer(
     assert eng.external_hits["restored"] == 4 * CHUNK
     assert eng.mismatched_positions("restored") == []
     moved = eng.take_published()
+    assert moved["hits"] == {"cpu": 4}  # counted once per admitted request
     assert moved["chunks"]["load/cpu"] == 4
     assert moved["bytes"]["load/cpu/draft"] == 4 * worker.layout.draft_bytes
     assert moved["bytes"]["load/cpu/target"] == 4 * worker.layout.target_bytes

@@ -178,15 +178,18 @@ class DraftOffloadScheduler:
                 return None, False
             # Units fetched from L3 are in the CPU tier now.
             match = self._match(state, num_computed_tokens)
-        state.pending_match = match if match.num_tokens > 0 else None
-        lookable = max(0, len(tokens) // self.chunk_size - num_computed_tokens // self.chunk_size)
+        state.pending_match = match
+        return match.num_tokens, False
+
+    def _record_admission(self, match: PrefixMatch, num_tokens: int) -> None:
+        """Lookup stats, once per admitted request (vLLM may ask several times)."""
+        lookable = max(0, num_tokens // self.chunk_size - match.start_token // self.chunk_size)
         self.stats.record_lookup("cpu", len(match.chunks), max(0, lookable - len(match.chunks)))
         if match.chunks:
-            # Tokens whose KV was stored but which vLLM recomputes anyway: the
-            # successor rule and vLLM's need to compute one token.
+            # Tokens whose KV was stored but which are computed anyway: the
+            # successor rule and the tokens a request must compute itself.
             last_chunk_end = (match.chunks[-1][0] + 1) * self.chunk_size
             self.stats.record_recomputed_tokens(max(0, last_chunk_end - match.end_token))
-        return match.num_tokens, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -195,7 +198,10 @@ class DraftOffloadScheduler:
         if state is None:
             return
         match, state.pending_match = state.pending_match, None
-        if num_external_tokens == 0 or match is None:
+        if match is None:
+            return
+        self._record_admission(match, request.num_tokens)
+        if num_external_tokens == 0 or match.num_tokens == 0:
             return
         if match.num_tokens != num_external_tokens:
             # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
