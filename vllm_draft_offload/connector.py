@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -121,9 +122,14 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = DraftOffloadWorker(
-                self.config, kv_cache_config, _draft_layer_names(vllm_config)
+                self.config,
+                kv_cache_config,
+                _draft_layer_names(vllm_config),
+                # Each TP rank stores its own shard of a unit under its own L3 name,
+                # and the header names the drafter so a foreign object is refused.
+                drafter_id=json.dumps(drafter_identity(vllm_config), sort_keys=True),
+                rank=_tp_rank(),
             )
-            self._worker.counts_chunks = _tp_rank() == 0
 
     @property
     def scheduler(self) -> DraftOffloadScheduler:

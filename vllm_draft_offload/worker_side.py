@@ -103,7 +103,7 @@ class DraftOffloadWorker:
         self._slot_checksums: dict[int, list[str]] = {}
         self._timed_loads: list[InflightLoad] = []
         # Every rank moves its shard of each chunk; count chunks once.
-        self.counts_chunks = True
+        self.counts_chunks = rank == 0
 
     # ------------------------------------------------------------ registration
 
