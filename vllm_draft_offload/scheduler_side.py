@@ -224,14 +224,9 @@ class DraftOffloadScheduler:
                 self.index.pin(unit_id)
                 units.append(unit_id)
                 slot = entry.slot
-            for g, group in enumerate(self.layout.groups):
-                for page in pages_for_chunk(
-                    chunk, self.chunk_size, group.block_size, match.start_token, match.end_token
-                ):
-                    host_pages[g].append(slot * group.blocks_per_chunk + page)
-                    gpu_blocks[g].append(
-                        block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
-                    )
+            self._add_chunk_pages(
+                host_pages, gpu_blocks, slot, chunk, block_ids, match.start_token, match.end_token
+            )
         job = TransferJob(
             next(self._job_ids),
             request.request_id,
@@ -246,6 +241,26 @@ class DraftOffloadScheduler:
         # Chunks already in the tier need no store; skip past them.
         state.next_store_chunk = max(state.next_store_chunk, match.end_token // self.chunk_size)
         self._pending_loads.append(job)
+
+    def _add_chunk_pages(
+        self,
+        host_pages: list[list[int]],
+        gpu_blocks: list[list[int]],
+        slot: int,
+        chunk: int,
+        block_ids: tuple[list[int], ...],
+        first_token: int,
+        end_token: int,
+    ) -> None:
+        """Pair a chunk's host pages with its GPU blocks, per group, for [first, end)."""
+        for g, group in enumerate(self.layout.groups):
+            for page in pages_for_chunk(
+                chunk, self.chunk_size, group.block_size, first_token, end_token
+            ):
+                host_pages[g].append(slot * group.blocks_per_chunk + page)
+                gpu_blocks[g].append(
+                    block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
+                )
 
     # ------------------------------------------------------------------ stores
 
@@ -288,11 +303,9 @@ class DraftOffloadScheduler:
                 break  # every slot is storing or being loaded; try later chunks later
             units.append(unit_id)
             l3_units.append((entry.slot, keys[chunk], successors))
-            for g, group in enumerate(self.layout.groups):
-                first = chunk * group.blocks_per_chunk
-                for page in range(group.blocks_per_chunk):
-                    host_pages[g].append(entry.slot * group.blocks_per_chunk + page)
-                    gpu_blocks[g].append(block_ids[group.group_id][first + page])
+            self._add_chunk_pages(
+                host_pages, gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
+            )
         return units, host_pages, gpu_blocks, l3_units
 
     def _store_job(
