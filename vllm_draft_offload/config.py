@@ -62,14 +62,8 @@ class DraftOffloadConfig(BaseModel):
     audit: bool = False
     l3: L3Config = Field(default_factory=L3Config)
 
-    def check_geometry(self, unit_bytes: int, block_sizes: list[int]) -> None:
-        """Checks that need the engine's KV geometry; raise naming the field."""
-        for block_size in block_sizes:
-            if self.chunk_size % block_size:
-                raise ConfigError(
-                    f"kv_connector_extra_config.chunk_size={self.chunk_size} must be a "
-                    f"multiple of every KV-cache group's block size {sorted(set(block_sizes))}"
-                )
+    def check_budget(self, unit_bytes: int) -> None:
+        """The budget must hold one unit, which only the engine's KV geometry tells."""
         if self.cpu_bytes < unit_bytes:
             raise ConfigError(
                 f"kv_connector_extra_config.cpu_bytes_to_use={self.cpu_bytes} is smaller "

@@ -83,7 +83,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: DraftOffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             layout = build_unit_layout(kv_cache_config, self.config.chunk_size)
-            self.config.check_geometry(layout.unit_bytes, [g.block_size for g in layout.groups])
+            self.config.check_budget(layout.unit_bytes)
             num_successors = (
                 self.config.successor_tokens
                 if self.config.successor_tokens is not None

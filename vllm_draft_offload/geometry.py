@@ -70,17 +70,6 @@ class UnitLayout:
     def has_eagle_group(self) -> bool:
         return any(group.is_eagle_group for group in self.groups)
 
-    def layer(self, name: str) -> LayerSlot:
-        return self._by_name[name]
-
-    @property
-    def _by_name(self) -> dict[str, LayerSlot]:
-        cached = self.__dict__.get("_by_name_cache")
-        if cached is None:
-            cached = {layer.name: layer for layer in self.layers}
-            object.__setattr__(self, "_by_name_cache", cached)
-        return cached
-
     def fingerprint(self) -> str:
         """Identity of the byte layout: two engines share units only if equal."""
         desc = {
