@@ -1,24 +1,45 @@
 #!/usr/bin/env bash
-# Sequential acceptance-parity runs on the device, one engine at a time.
-#   scripts/gpu/accept_runs.sh FIXTURES OUTDIR NAME:METHOD:DRAFT:CONNECTOR ...
+# Acceptance-parity runs on the device.
+#   [JOBS=N] scripts/gpu/accept_runs.sh FIXTURES OUTDIR NAME:METHOD:DRAFT:CONNECTOR ...
 # CONNECTOR is ours | native | lmcache | none | corrupt (the KV-sensitivity probe).
+# JOBS>1 runs that many engines side by side on one GPU.  Each then gets a fixed
+# KV-cache size (kv_cache_memory_bytes), because vLLM's memory profiling fails when
+# another process allocates or frees GPU memory while it measures.  Acceptance
+# counts do not depend on timing, so this is for acceptance runs only, never speed.
 set -uo pipefail
 # On a bare machine FlashInfer JIT-builds its sampler for minutes at engine start.
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 F=$1; OUT=$2; shift 2
+JOBS=${JOBS:-1}
 mkdir -p "$OUT"
+CPU=${ACCEPT_CPU_BYTES:-2000000000}
 declare -A KV=(
-  [ours]='{"kv_connector":"DraftOffloadConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":8000000000}}'
-  [native]='{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":8000000000}}'
+  [ours]='{"kv_connector":"DraftOffloadConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":'$CPU'}}'
+  [native]='{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":'$CPU'}}'
   [lmcache]='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'
   [none]='none'
 )
-for spec in "$@"; do
-  IFS=: read -r name method draft connector <<< "$spec"
+llm_kwargs=()
+if [ "$JOBS" -gt 1 ]; then
+  llm_kwargs=(--llm-kwargs '{"kv_cache_memory_bytes":4000000000,"gpu_memory_utilization":0.08}')
+fi
+
+one_run() {
+  local name=$1 method=$2 draft=$3 connector=$4 start extra rc
   if [ "$connector" = corrupt ]; then extra=(--corrupt-draft-kv); else extra=(--kv-transfer-config "${KV[$connector]}"); fi
   start=$(date +%s)
   python3 scripts/accept_check.py --model "$F/target" --spec-method "$method" --draft "$F/$draft" \
-    "${extra[@]}" --enforce-eager --timeout "${ACCEPT_TIMEOUT:-200}" --out "$OUT/accept_$name.json" \
-    > "$OUT/accept_$name.log" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - start ))s"; tail -4 "$OUT/accept_$name.log"
+    "${extra[@]}" "${llm_kwargs[@]}" --enforce-eager --timeout "${ACCEPT_TIMEOUT:-300}" \
+    --out "$OUT/accept_$name.json" > "$OUT/accept_$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s"; tail -4 "$OUT/accept_$name.log"
+}
+
+for spec in "$@"; do
+  IFS=: read -r name method draft connector <<< "$spec"
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  one_run "$name" "$method" "$draft" "$connector" &
+  # staggered starts: engines still initialise one after another on the GPU
+  [ "$JOBS" -gt 1 ] && sleep "${ACCEPT_STAGGER_S:-4}"
 done
+wait
