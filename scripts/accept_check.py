@@ -313,6 +313,10 @@ def finish_result(
     result = AcceptCheckResult.model_validate(raw)
     if rc != 0 and result.error is None:
         result.error = f"engine subprocess exited with {rc}:\n{tail}"
+    elif result.error is not None:
+        # The engine's root cause (EngineCore's traceback) is in the child's output,
+        # not in the client-side EngineDeadError the child recorded.
+        result.error += f"\n--- engine output (tail) ---\n{tail}"
     result.summary = summarize(result.phases)
     return result
 

@@ -9,7 +9,10 @@ another, on the same prompts:
 
 * `recompute`: prefix caching off, every prompt is prefilled;
 * `native`: vLLM's OffloadingConnector, CPU tier;
-* `ours`: DraftOffloadConnector, CPU tier.
+* `ours`: DraftOffloadConnector, CPU tier;
+* `ours_l3`: DraftOffloadConnector with an LMCache `fs://` tier, restarted: one
+  engine prefills and waits for its L3 writes, a second, fresh engine (empty CPU
+  tier) then hits every prompt from L3, and once more from the CPU tier.
 
 Each runs with a `draft_model` drafter (a small Llama shape, same vocabulary),
 so the drafter's KV is offloaded and restored too. For a hit, a prompt is
@@ -46,6 +49,15 @@ DRAFT_SHAPE = {
     "num_key_value_heads": 8,
     "head_dim": 128,
 }
+TINY = {  # a smoke-test shape (CPU dry run), not a benchmark
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+SHAPES = {"llama8b": (LLAMA8B, DRAFT_SHAPE), "tiny": (TINY, TINY)}
 VOCAB = 128256
 
 
@@ -68,6 +80,11 @@ def write_config(path: Path, shape: dict[str, int], max_len: int) -> str:
     return str(path)
 
 
+def kv_bytes_per_token(shape: dict[str, int]) -> int:
+    """K and V, bf16, every layer."""
+    return 2 * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
+
+
 def pinned_h2d_gbps(gib: float) -> float:
     import torch
 
@@ -87,28 +104,68 @@ def pinned_h2d_gbps(gib: float) -> float:
     return best
 
 
-def connector_config(name: str, cpu_bytes: int, chunk: int) -> dict[str, Any] | None:
-    if name == "native":
+def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    cpu_bytes = args.cpu_gib * 2**30
+    if args.config == "native":
         return {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
         }
-    if name == "ours":
+    if args.config.startswith("ours"):
+        extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "chunk_size": args.chunk_size}
+        if args.config.startswith("ours_l3"):
+            extra["l3"] = {"enabled": True}
+            extra["lmcache.remote_url"] = f"fs://{args.l3_dir}"
+            extra["lmcache.extra_config"] = {
+                "save_chunk_meta": True,
+                "draft_offload.l3_staging_mb": 2048,
+            }
         return {
             "kv_connector": "DraftOffloadConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "chunk_size": chunk},
+            "kv_connector_extra_config": extra,
         }
     return None
 
 
+def _loaded_by_connector() -> tuple[float, float]:
+    """(bytes loaded, GPU seconds the loads took) from our connector's counters."""
+    from _bench_summary import LOADED_BYTES, TRANSFER_S, _sum_prefix
+    from _bench_worker import snapshot_metrics
+
+    counters = snapshot_metrics()
+    return (
+        _sum_prefix(counters, LOADED_BYTES),
+        _sum_prefix(counters, TRANSFER_S, direction="load"),
+    )
+
+
+def _wait_for_l3_files(directory: Path, settle_s: float = 3.0, limit_s: float = 120.0) -> int:
+    """Wait until the L3 directory stops growing: the write-behind queue has drained."""
+    deadline = time.monotonic() + limit_s
+    last, stable_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = sum(1 for f in directory.rglob("*") if f.is_file())
+        if count != last:
+            last, stable_since = count, time.monotonic()
+        elif count > 0 and time.monotonic() - stable_since >= settle_s:
+            break
+        time.sleep(0.5)
+    return last
+
+
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """Child process: one engine, fresh vs hit TTFT over several prompts."""
+    """Child process: one engine, fresh vs hit TTFT over several prompts.
+
+    ``ours_l3_fill`` prefills the prompts and waits for their L3 writes;
+    ``ours_l3`` is the restarted engine: its first hit of each prompt comes from
+    L3 (``hit_s``), a second one after a GPU-cache reset from the CPU tier the
+    first one filled (``cpu_hit_s``); ``fresh_s`` there are new prompts.
+    """
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    transfer = connector_config(args.config, args.cpu_gib * 2**30, args.chunk_size)
     llm = LLM(
         model=args.target,
         load_format="dummy",
@@ -117,6 +174,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.tokens + 64,
         max_num_batched_tokens=args.tokens + 64,
         gpu_memory_utilization=args.gpu_mem,
+        enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.config != "recompute",
         speculative_config={
             "method": "draft_model",
@@ -125,10 +183,11 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         }
         if args.draft
         else None,
-        kv_transfer_config=transfer,
+        kv_transfer_config=connector_config(args),
         disable_log_stats=False,
     )
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ours = args.config.startswith("ours")
 
     def prompt(seed: int) -> TokensPrompt:
         return TokensPrompt(
@@ -137,21 +196,53 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             ]
         )
 
-    def timed(p: TokensPrompt) -> tuple[float, int]:
+    def timed(p: TokensPrompt, gbps_into: list[float] | None = None) -> tuple[float, int]:
+        before = _loaded_by_connector() if ours and gbps_into is not None else None
         start = time.perf_counter()
         out = llm.generate([p], one, use_tqdm=False)[0]
-        return time.perf_counter() - start, int(out.num_cached_tokens or 0)
+        elapsed = time.perf_counter() - start
+        if before is not None and gbps_into is not None:
+            after = _loaded_by_connector()
+            nbytes, seconds = after[0] - before[0], after[1] - before[1]
+            if nbytes > 0 and seconds > 0:
+                gbps_into.append(nbytes / seconds / 1e9)
+        return elapsed, int(out.num_cached_tokens or 0)
 
+    def empty_gpu_cache() -> None:
+        """Reset the GPU prefix cache once every store has landed.
+
+        A connector holds a finished request's blocks until its stores complete,
+        and the reset refuses while blocks are held; the engine only makes
+        progress while it steps, so step it with a 2-token request meanwhile.
+        """
+        for _ in range(200):
+            if llm.reset_prefix_cache():
+                return
+            llm.generate([TokensPrompt(prompt_token_ids=[500, 501])], one, use_tqdm=False)
+            time.sleep(0.05)
+        raise RuntimeError("GPU prefix cache never emptied: stores did not complete")
+
+    def hit(rep: int, into: dict[str, list], prefix: str = "") -> None:
+        empty_gpu_cache()
+        hit_s, cached = timed(prompt(rep), into.setdefault(f"{prefix}restore_GBps_metric", []))
+        into.setdefault(f"{prefix}hit_s", []).append(hit_s)
+        into.setdefault(f"{prefix}hit_cached", []).append(cached)
+
+    results: dict[str, Any] = {"config": args.config, "fresh_s": []}
+    if args.config == "ours_l3":
+        for rep in range(args.reps):
+            hit(rep, results)  # from L3: this engine's CPU tier starts empty
+            hit(rep, results, "cpu_")
+            results["fresh_s"].append(timed(prompt(100 + rep))[0])
+        return results
     timed(prompt(10_000))  # compile/warm-up
-    results: dict[str, Any] = {"config": args.config, "fresh_s": [], "hit_s": [], "hit_cached": []}
     for rep in range(args.reps):
-        fresh_s, _ = timed(prompt(rep))
-        results["fresh_s"].append(fresh_s)
-        time.sleep(0.5)  # let stores land
-        llm.reset_prefix_cache()
-        hit_s, cached = timed(prompt(rep))
-        results["hit_s"].append(hit_s)
-        results["hit_cached"].append(cached)
+        results["fresh_s"].append(timed(prompt(rep))[0])
+        if args.config != "ours_l3_fill":
+            hit(rep, results)
+    if args.config == "ours_l3_fill":
+        empty_gpu_cache()  # every store done: the L3 writes are queued
+        results["l3_files"] = _wait_for_l3_files(Path(args.l3_dir))
     return results
 
 
@@ -162,9 +253,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--cpu-gib", type=int, default=24)
-    parser.add_argument("--configs", default="recompute,native,ours")
+    parser.add_argument(
+        "--configs",
+        default="recompute,native,ours",
+        help="of recompute, native, ours, ours_l3 (a fill engine, then a restarted one)",
+    )
     parser.add_argument("--no-draft", action="store_true")
     parser.add_argument("--gpu-mem", type=float, default=0.5)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    parser.add_argument("--l3-dir", help="LMCache fs:// directory for ours_l3 (default: temp)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--draft", help=argparse.SUPPRESS)
@@ -178,29 +276,39 @@ def main() -> None:
     import vllm
 
     work = Path(tempfile.mkdtemp(prefix="restore-speed-"))
-    target = write_config(work / "target", LLAMA8B, args.tokens + 64)
-    draft = None if args.no_draft else write_config(work / "draft", DRAFT_SHAPE, args.tokens + 64)
+    l3_dir = Path(args.l3_dir) if args.l3_dir else work / "l3"
+    l3_dir.mkdir(parents=True, exist_ok=True)
+    target_shape, draft_shape = SHAPES[args.shape]
+    target = write_config(work / "target", target_shape, args.tokens + 64)
+    draft = None if args.no_draft else write_config(work / "draft", draft_shape, args.tokens + 64)
     report: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-        "shape": {"target": LLAMA8B, "draft": None if draft is None else DRAFT_SHAPE},
+        "shape": {"target": target_shape, "draft": None if draft is None else draft_shape},
         "tokens": args.tokens,
         "chunk_size": args.chunk_size,
-        "pinned_h2d_GBps": pinned_h2d_gbps(1.0),
-        "kv_bytes_per_token": 2 * 2 * LLAMA8B["num_hidden_layers"] * 8 * 128
-        + (0 if draft is None else 2 * 2 * DRAFT_SHAPE["num_hidden_layers"] * 8 * 128),
+        "enforce_eager": args.enforce_eager,
+        "pinned_h2d_GBps": pinned_h2d_gbps(1.0) if torch.cuda.is_available() else None,
+        "kv_bytes_per_token": kv_bytes_per_token(target_shape)
+        + (0 if draft is None else kv_bytes_per_token(draft_shape)),
         "configs": {},
     }
+    engines = []
     for config in args.configs.split(","):
+        engines += ["ours_l3_fill", "ours_l3"] if config == "ours_l3" else [config]
+    for config in engines:
         child_out = work / f"{config}.json"
         cmd = [
             sys.executable, __file__, "--out", args.out, "--child", str(child_out),
             "--target", target, "--config", config, "--tokens", str(args.tokens),
             "--reps", str(args.reps), "--chunk-size", str(args.chunk_size),
             "--cpu-gib", str(args.cpu_gib), "--gpu-mem", str(args.gpu_mem),
+            "--l3-dir", str(l3_dir),
         ]  # fmt: skip
         if draft:
             cmd += ["--draft", draft]
+        if args.enforce_eager:
+            cmd.append("--enforce-eager")
         proc = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True)
         if proc.returncode != 0 or not child_out.exists():
             report["configs"][config] = {"error": proc.stderr[-3000:]}
@@ -222,12 +330,19 @@ def summarize(report: dict[str, Any]) -> None:
     recompute = configs.get("recompute", {})
     base = _median(recompute["fresh_s"]) if recompute.get("fresh_s") else None
     summary: dict[str, Any] = {"recompute_ttft_s": base}
-    for name in ("native", "ours"):
-        hit = configs.get(name, {}).get("hit_s")
+    hits = {
+        "native": configs.get("native", {}),
+        "ours": configs.get("ours", {}),
+        "ours_l3_restart": configs.get("ours_l3", {}),
+    }
+    for name, result in hits.items():
+        hit = result.get("hit_s")
         if not hit:
             continue
-        steady = _median(hit[1:] or hit)
-        cached = configs[name]["hit_cached"][-1]
+        # After a restart every hit is a first hit of its prompt: no warm-up to drop.
+        steady = _median(hit if name == "ours_l3_restart" else hit[1:] or hit)
+        cached = result["hit_cached"][-1]
+        metric = result.get("restore_GBps_metric") or []
         summary[name] = {
             "hit_ttft_s_steady": steady,
             "hit_ttft_s_first": hit[0],
@@ -235,7 +350,16 @@ def summarize(report: dict[str, Any]) -> None:
             "ratio_to_recompute": steady / base if base else None,
             # A lower bound on restore bandwidth: the whole hit TTFT counted as copy time.
             "restore_GBps_lower_bound": cached * report["kv_bytes_per_token"] / steady / 1e9,
+            # GPU time of the connector's own host->device copies (CUDA events).
+            "restore_GBps_connector": _median(metric) if metric else None,
         }
+        if result.get("cpu_hit_s"):
+            summary[name]["cpu_hit_after_l3_ttft_s"] = _median(result["cpu_hit_s"])
+    pinned = report.get("pinned_h2d_GBps")
+    if "ours" in summary and pinned and summary["ours"]["restore_GBps_connector"]:
+        summary["ours"]["restore_vs_pinned_memcpy"] = (
+            summary["ours"]["restore_GBps_connector"] / pinned
+        )
     if "native" in summary and "ours" in summary:
         summary["ours_vs_native_ttft"] = (
             summary["ours"]["hit_ttft_s_steady"] / summary["native"]["hit_ttft_s_steady"]
