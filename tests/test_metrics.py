@@ -84,6 +84,7 @@ def _scheduler_stats() -> DraftOffloadStats:
     s.record_refused("drafter_mismatch")
     s.record_refused("truncated", 2)
     s.record_fallback("l3_corrupt")
+    s.record_audit_recompute("ok", 3)
     s.record_recomputed_tokens(15)
     s.record_recomputed_tokens(1)
     return s
@@ -136,6 +137,7 @@ EXPECTED_SUMS = {
     "fallbacks": {"l3_corrupt": 1},
     "drafts": {"true": 20, "false": 10},
     "accepted": {"true": 30, "false": 12},
+    "audit_recompute": {"ok": 3},
     "recomputed": [15, 1],
 }
 
@@ -166,6 +168,7 @@ def test_stats_cross_process_aggregate_and_reduce(vllm_config: VllmConfig) -> No
     assert r["accept_len_restored"] == 2.5  # 1 + 30/20
     assert r["accept_len_fresh"] == 2.2  # 1 + 12/10
     assert r["recomputed_tokens_per_hit"] == 8.0
+    assert r["audit_recompute_ok"] == 3 and "audit_recompute_mismatch" not in r
     assert r["refusals"] == 3 and r["fallbacks"] == 1
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in r.values())
 
@@ -234,6 +237,8 @@ def test_aggregate_reset_take_and_validation() -> None:
         s.record_refused("")
     with pytest.raises(ValueError):
         s.record_recomputed_tokens(-3)
+    with pytest.raises(ValueError):
+        s.record_audit_recompute("maybe")
     assert s.is_empty()
 
     assert dom.build_kv_connector_stats(None) is not None
@@ -283,6 +288,9 @@ def test_prometheus_via_vllm_kv_connector_prom(vllm_config: VllmConfig, clean_re
     assert val(p + "refusals_total", cause="truncated") == 4
     assert val(p + "refusals_total", cause="checksum_mismatch") == 0  # pre-created
     assert val(p + "fallbacks_total", cause="l3_corrupt") == 2
+    assert val(p + "audit_recompute_units_total", result="ok") == 6
+    assert val(p + "audit_recompute_units_total", result="mismatch") == 0  # pre-created
+    assert val(p + "fallbacks_total", cause="audit_recompute_mismatch") == 0  # pre-created
     drafts_r = val(p + "spec_drafts_total", restored="true")
     acc_r = val(p + "spec_accepted_tokens_total", restored="true")
     drafts_f = val(p + "spec_drafts_total", restored="false")

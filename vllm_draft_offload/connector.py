@@ -129,6 +129,8 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 # and the header names the drafter so a foreign object is refused.
                 drafter_id=json.dumps(drafter_identity(vllm_config), sort_keys=True),
                 rank=_tp_rank(),
+                # The audit reads fp8 caches, which vLLM allocates as bytes, as fp8.
+                kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
             )
 
     @property

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_draft_offload.config import ConfigError
+from vllm_draft_offload.hit_logic import pages_for_chunk
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,6 +70,26 @@ class UnitLayout:
     @property
     def has_eagle_group(self) -> bool:
         return any(group.is_eagle_group for group in self.groups)
+
+    def add_chunk_pages(
+        self,
+        host_pages: list[list[int]],
+        gpu_blocks: list[list[int]],
+        slot: int,
+        chunk: int,
+        block_ids: tuple[list[int], ...],
+        first_token: int,
+        end_token: int,
+    ) -> None:
+        """Pair a chunk's host pages with its GPU blocks, per group, for [first, end)."""
+        for g, group in enumerate(self.groups):
+            for page in pages_for_chunk(
+                chunk, self.chunk_size, group.block_size, first_token, end_token
+            ):
+                host_pages[g].append(slot * group.blocks_per_chunk + page)
+                gpu_blocks[g].append(
+                    block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
+                )
 
     def fingerprint(self) -> str:
         """Identity of the byte layout: two engines share units only if equal."""

@@ -22,7 +22,9 @@ class TransferJob:
 
     job_id: int
     req_id: str
-    direction: Literal["load", "store"]
+    # compare: copy the GPU blocks aside and compare them with the host slot
+    # (the sampled recompute audit, audit.py); the slot is not written.
+    direction: Literal["load", "store", "compare"]
     host_pages: list[list[int]]
     gpu_blocks: list[list[int]]
     # Store only: the request has finished; report it in finished_sending once
@@ -54,6 +56,7 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
     fetches: list[FetchJob] = field(default_factory=list)
+    compares: list[TransferJob] = field(default_factory=list)
     # A request with stores in flight was preempted: its blocks may be reused
     # this step, so in-flight stores must finish before the forward.
     flush_stores: bool = False
@@ -75,6 +78,8 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     fetched_successors: dict[int, list[int]] = field(default_factory=dict)
     # Failed job -> why (a refusal or fallback cause).
     failure_causes: dict[int, str] = field(default_factory=dict)
+    # Compare job -> {"draft"|"target": layers that differ from the recomputed KV}.
+    audit_mismatch_layers: dict[int, dict[str, list[str]]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.completed_jobs or self.failed_jobs or self.snapshot_jobs)
@@ -87,6 +92,10 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             dict(self.snapshot_jobs),
             dict(self.fetched_successors),
             dict(self.failure_causes),
+            {
+                job: {part: list(names) for part, names in parts.items()}
+                for job, parts in self.audit_mismatch_layers.items()
+            },
         )
         for target, source in (
             (merged.completed_jobs, other.completed_jobs),
@@ -101,4 +110,9 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
                 merged.failure_causes[job_id] = "successor_mismatch"
         for job_id, cause in other.failure_causes.items():
             merged.failure_causes.setdefault(job_id, cause)
+        for job_id, parts in other.audit_mismatch_layers.items():
+            mine = merged.audit_mismatch_layers.setdefault(job_id, {})
+            for part, names in parts.items():
+                # Ranks hold shards of the same layers: report each name once.
+                mine[part] = sorted({*mine.get(part, ()), *names})
         return merged

@@ -62,8 +62,11 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
     "l3_unavailable",
     "l3_corrupt",
     "audit_mismatch",
+    "audit_recompute_mismatch",
     "store_failed",
 )
+# Outcomes of the sampled recompute audit, per stored unit compared.
+AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")
 
 _GB: Final = 1e9
 
@@ -81,6 +84,7 @@ NUMBER_SECTIONS: Final[tuple[str, ...]] = (
     "fallbacks",  # cause -> occurrences
     "drafts",  # "true"/"false" (prefix restored?) -> drafting steps
     "accepted",  # "true"/"false" -> accepted draft tokens
+    "audit_recompute",  # result -> stored units compared with their recomputed prefix
 )
 # section -> {key: [samples]}, concatenated on aggregate
 SAMPLE_MAP_SECTIONS: Final[tuple[str, ...]] = ("restore_s",)  # tier -> load seconds
@@ -192,6 +196,14 @@ class DraftOffloadStats(KVConnectorStats):
         """A restore that fell back to recompute."""
         self._inc("fallbacks", _check_cause(cause), _check_count("count", count))
 
+    def record_audit_recompute(self, result: str, units: int = 1) -> None:
+        """Stored units compared with a recompute of their prefix (sampled audit)."""
+        self._inc(
+            "audit_recompute",
+            _check_choice("result", result, AUDIT_RESULTS),
+            _check_count("units", units),
+        )
+
     def record_acceptance(self, restored: bool, num_drafts: int, num_accepted: int) -> None:
         """Speculative-decoding outcome of a request, split by whether its prefix was
         restored, so acceptance length (1 + accepted/drafts) can be compared."""
@@ -279,6 +291,8 @@ class DraftOffloadStats(KVConnectorStats):
         recomputed = d["recomputed"]
         if recomputed:
             out["recomputed_tokens_per_hit"] = round(sum(recomputed) / len(recomputed), 2)
+        for result, units in sorted(d["audit_recompute"].items()):
+            out[f"audit_recompute_{result}"] = units
         out["refusals"] = sum(d["refused"].values())
         out["fallbacks"] = sum(d["fallbacks"].values())
         return out

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from vllm_draft_offload.metrics import (
+    AUDIT_RESULTS,
     DIRECTIONS,
     FALLBACK_CAUSES,
     PARTS,
@@ -80,6 +81,11 @@ REFUSALS = _counter(
     "refusals", "Stored units refused because the draft part was missing/mismatched.", "cause"
 )
 FALLBACKS = _counter("fallbacks", "Restores that fell back to recompute, by cause.", "cause")
+AUDIT_RECOMPUTE = _counter(
+    "audit_recompute_units",
+    "Stored units compared with a recompute of their prefix (sampled audit), by result.",
+    "result",
+)
 SPEC_DRAFTS = _counter(
     "spec_drafts", "Drafting steps, by whether the request's prefix was restored.", "restored"
 )
@@ -114,6 +120,7 @@ ALL_METRICS: Final[tuple[MetricDef, ...]] = (
     MISS_CHUNKS,
     REFUSALS,
     FALLBACKS,
+    AUDIT_RECOMPUTE,
     SPEC_DRAFTS,
     SPEC_ACCEPTED,
     RESTORE_LATENCY,
@@ -132,6 +139,7 @@ _SINGLE_LABEL: Final = {
     "fallbacks": FALLBACKS,
     "drafts": SPEC_DRAFTS,
     "accepted": SPEC_ACCEPTED,
+    "audit_recompute": AUDIT_RECOMPUTE,
 }
 
 
@@ -163,6 +171,8 @@ class DraftOffloadPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, REFUSALS, (cause,))
             for cause in FALLBACK_CAUSES:
                 self._child(engine_idx, FALLBACKS, (cause,))
+            for result in AUDIT_RESULTS:
+                self._child(engine_idx, AUDIT_RECOMPUTE, (result,))
             for restored in ("true", "false"):
                 self._child(engine_idx, SPEC_DRAFTS, (restored,))
                 self._child(engine_idx, SPEC_ACCEPTED, (restored,))

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_draft_offload.audit import RecomputeAudit
 from vllm_draft_offload.chunk_keys import ChunkKeyChain, make_salt, request_salt
 from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
@@ -21,7 +22,6 @@ from vllm_draft_offload.hit_logic import (
     StoredUnitView,
     common_prefix_length,
     match_prefix,
-    pages_for_chunk,
     storable_chunk_limit,
 )
 from vllm_draft_offload.metadata import (
@@ -115,6 +115,15 @@ class DraftOffloadScheduler:
             )
         # store job id -> [units pinned until their L3 copy is taken, reports]
         self._snapshot_pins: dict[int, list] = {}
+        self.audit = RecomputeAudit(
+            config.audit_recompute_fraction,
+            self.index,
+            layout,
+            num_successors,
+            world_size,
+            self.stats,
+            lambda: next(self._job_ids),
+        )
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -179,6 +188,8 @@ class DraftOffloadScheduler:
             # Units fetched from L3 are in the CPU tier now.
             match = self._match(state, num_computed_tokens)
         state.pending_match = match
+        if self.audit.divert(request.request_id, match):
+            return 0, False  # audited: vLLM recomputes the prefix, compared at store time
         return match.num_tokens, False
 
     def _record_admission(self, match: PrefixMatch, num_tokens: int) -> None:
@@ -224,7 +235,7 @@ class DraftOffloadScheduler:
                 self.index.pin(unit_id)
                 units.append(unit_id)
                 slot = entry.slot
-            self._add_chunk_pages(
+            self.layout.add_chunk_pages(
                 host_pages, gpu_blocks, slot, chunk, block_ids, match.start_token, match.end_token
             )
         job = TransferJob(
@@ -241,26 +252,6 @@ class DraftOffloadScheduler:
         # Chunks already in the tier need no store; skip past them.
         state.next_store_chunk = max(state.next_store_chunk, match.end_token // self.chunk_size)
         self._pending_loads.append(job)
-
-    def _add_chunk_pages(
-        self,
-        host_pages: list[list[int]],
-        gpu_blocks: list[list[int]],
-        slot: int,
-        chunk: int,
-        block_ids: tuple[list[int], ...],
-        first_token: int,
-        end_token: int,
-    ) -> None:
-        """Pair a chunk's host pages with its GPU blocks, per group, for [first, end)."""
-        for g, group in enumerate(self.layout.groups):
-            for page in pages_for_chunk(
-                chunk, self.chunk_size, group.block_size, first_token, end_token
-            ):
-                host_pages[g].append(slot * group.blocks_per_chunk + page)
-                gpu_blocks[g].append(
-                    block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
-                )
 
     # ------------------------------------------------------------------ stores
 
@@ -303,7 +294,7 @@ class DraftOffloadScheduler:
                 break  # every slot is storing or being loaded; try later chunks later
             units.append(unit_id)
             l3_units.append((entry.slot, keys[chunk], successors))
-            self._add_chunk_pages(
+            self.layout.add_chunk_pages(
                 host_pages, gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
             )
         return units, host_pages, gpu_blocks, l3_units
@@ -361,6 +352,7 @@ class DraftOffloadScheduler:
             job = self._store_job(state, computed_after, block_ids, finishing=False)
             if job is not None:
                 meta.stores.append(job)
+            meta.compares += self.audit.plan(state.request, computed_after, block_ids)
         preempted = scheduler_output.preempted_req_ids or set()
         for req_id in preempted:
             state = self._requests.get(req_id)
@@ -370,12 +362,14 @@ class DraftOffloadScheduler:
                 meta.flush_stores = True
             # Its blocks are gone; a resumed request re-looks-up from scratch.
             state.next_store_chunk = 0
+            self.audit.release(req_id)
         return meta
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
+        self.audit.release(request.request_id)
         if self.l3 is not None:
             self.l3.forget(request.request_id)
         if state is None:
@@ -407,6 +401,7 @@ class DraftOffloadScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, DraftOffloadWorkerMetadata):
             return
+        self.audit.on_output(meta)
         for job_id, count in meta.snapshot_jobs.items():
             pins = self._snapshot_pins.get(job_id)
             if pins is not None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_draft_offload.audit import RecomputeComparer
 from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
 from vllm_draft_offload.metadata import (
@@ -76,8 +77,10 @@ class DraftOffloadWorker:
         draft_layer_names: frozenset[str],
         drafter_id: str = "",
         rank: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.config = config
+        self.kv_cache_dtype = kv_cache_dtype
         self.drafter_id = drafter_id
         self.rank = rank
         self.l3: WorkerL3 | None = None
@@ -101,6 +104,7 @@ class DraftOffloadWorker:
         self.stats = DraftOffloadStats()
         # Audit mode: slot -> per-layer checksums taken when its store completed.
         self._slot_checksums: dict[int, list[str]] = {}
+        self.comparer: RecomputeComparer | None = None
         self._timed_loads: list[InflightLoad] = []
         # Every rank moves its shard of each chunk; count chunks once.
         self.counts_chunks = rank == 0
@@ -131,6 +135,15 @@ class DraftOffloadWorker:
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
+        self.comparer = RecomputeComparer(
+            layout,
+            self.regions,
+            self.pool,
+            kv_caches,
+            self.kv_cache_dtype,
+            self.config.audit_tolerance,
+            pin=self._on_device,
+        )
         if self.config.l3.enabled:
             from vllm_draft_offload.l3_tier import WorkerL3
 
@@ -311,6 +324,9 @@ class DraftOffloadWorker:
 
     def wait_for_save(self, meta: DraftOffloadMetadata) -> None:
         self._finish_loads()
+        if meta.compares and self.comparer is not None:
+            # Ahead of this step's stores, so the audit's sync does not wait for them too.
+            self.comparer.run(meta.compares, self._worker_meta, self._store_stream)
         if not meta.stores:
             return
         for job in meta.stores:
@@ -450,5 +466,7 @@ class DraftOffloadWorker:
         self._stores.clear()
         if self.l3 is not None:
             self.l3.close()
+        if self.comparer is not None:
+            self.comparer.close()
         if self.pool is not None:
             self.pool.close()
