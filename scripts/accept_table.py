@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Baseline tables from acceptance runs (scripts/gpu/accept_runs.sh output).
+
+Reads every ``accept_<drafter>-<connector>.json`` (an :class:`AcceptCheckResult`) in DIR
+and prints markdown: table A, KV sensitivity (the ``corrupt`` runs), and table B,
+restored/fresh acceptance per drafter and connector.
+
+  python scripts/accept_table.py results/gpu/accept_h200 [--out table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+
+from accept_check import AcceptCheckResult, Comparison  # noqa: E402
+
+Results = dict[tuple[str, str], AcceptCheckResult]  # (drafter, connector) -> result
+
+DRAFTERS = {
+    "self": "self-draft (draft_model)",
+    "small": "small-draft (draft_model)",
+    "eagle": "eagle (eagle)",
+    "eagle3": "eagle3 (eagle3)",
+}
+CONNECTORS = {
+    "none": "none",
+    "native": "native (OffloadingConnector)",
+    "lmcache": "lmcache (LMCacheConnectorV1)",
+    "ours": "ours (DraftOffloadConnector)",
+}
+MISSING = "–"
+LEGEND_B = (
+    "Cell: ratio (AL restored / AL fresh), outputs equal to fresh, "
+    "mean cached tokens per request in the restored phase."
+)
+_NAME = re.compile(r"accept_(?P<drafter>.+)-(?P<connector>[^-]+)\.json")
+_EXC = re.compile(r"^\s*(?:[\w.]+\.)?(?P<type>\w+(?:Error|Exception)): (?P<msg>.*)$")
+
+
+# ------------------------------------------------------------------ pure functions
+
+
+def parse_name(filename: str) -> tuple[str, str] | None:
+    """``accept_eagle3-native.json`` -> ("eagle3", "native")."""
+    m = _NAME.fullmatch(filename)
+    return (m["drafter"], m["connector"]) if m else None
+
+
+def crash_cause(error: str, max_len: int = 100) -> str:
+    """Short root cause of a crash: the last exception line that is not the client-side
+    EngineDeadError (the engine's own traceback, when the output tail was recorded);
+    else EngineDeadError; else the error's first line."""
+    causes = [m for line in error.splitlines() if (m := _EXC.match(line))]
+    root = [m for m in causes if m["type"] != "EngineDeadError"]
+    if root:
+        text = f"{root[-1]['type']}: {root[-1]['msg'].strip()}"
+    elif causes:
+        text = "EngineDeadError"
+    else:
+        text = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    return text if len(text) <= max_len else text[: max_len - 1] + "…"
+
+
+def comparison(result: AcceptCheckResult, phase: str) -> Comparison | None:
+    return next((c for c in result.summary.comparisons if c.phase == phase), None)
+
+
+def _f(value: float | None, fmt: str = ".2f") -> str:
+    return MISSING if value is None else format(value, fmt)
+
+
+def sensitivity_row(drafter: str, result: AcceptCheckResult | None) -> list[str]:
+    """drafter, AL intact, AL corrupted, drop, pass, outputs equal."""
+    label = DRAFTERS.get(drafter, drafter)
+    if result is None:
+        return [label] + [MISSING] * 5
+    if result.error:
+        return [label, "crash: " + crash_cause(result.error)] + [MISSING] * 4
+    c = comparison(result, "extended_corrupt")
+    if c is None:
+        return [label] + [MISSING] * 5
+    s = result.summary
+    passed = MISSING if s.sensitivity_pass is None else ("yes" if s.sensitivity_pass else "no")
+    return [
+        label,
+        _f(c.reference_acceptance_length),
+        _f(c.acceptance_length),
+        _f(None if s.corruption_drop is None else 100 * s.corruption_drop, ".1f") + "%",
+        passed,
+        f"{c.outputs_match}/{c.outputs_compared}",
+    ]
+
+
+def acceptance_cell(result: AcceptCheckResult | None) -> str:
+    """'ratio (AL restored / AL fresh), n/m, mean cached' or 'crash: cause'."""
+    if result is None:
+        return MISSING
+    if result.error:
+        return "crash: " + crash_cause(result.error)
+    c = comparison(result, "restored")
+    if c is None:
+        return MISSING
+    return (
+        f"{_f(c.ratio)} ({_f(c.acceptance_length)} / {_f(c.reference_acceptance_length)}), "
+        f"{c.outputs_match}/{c.outputs_compared}, {_f(c.mean_cached_tokens, '.0f')}"
+    )
+
+
+def env_line(results: Results) -> str:
+    """GPU and versions; distinct values joined when the runs disagree."""
+
+    def vals(get: Callable[[AcceptCheckResult], object]) -> str:
+        return " / ".join(sorted({str(get(r)) for r in results.values()})) or MISSING
+
+    gpu = vals(lambda r: r.env.gpu)
+    versions = ", ".join(
+        f"{d} {vals(lambda r, d=d: r.env.versions.get(d))}" for d in ("vllm", "torch", "lmcache")
+    )
+    return f"GPU: {gpu}; {versions}"
+
+
+def _ordered(found: set[str], known: dict[str, str]) -> list[str]:
+    return [k for k in known if k in found] + sorted(found - known.keys())
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def render(results: Results) -> str:
+    drafters = _ordered({d for d, _ in results}, DRAFTERS)
+    # the four known connectors always get a column (missing runs show as "–")
+    connectors = _ordered({c for _, c in results if c != "corrupt"} | CONNECTORS.keys(), CONNECTORS)
+    out = [env_line(results), "", "### A. Sensitivity (draft KV of the cached prefix zeroed)", ""]
+    out += _table(
+        ["drafter", "AL intact", "AL corrupted", "drop", "pass (≥ 30%)", "outputs equal"],
+        [sensitivity_row(d, results.get((d, "corrupt"))) for d in drafters],
+    )
+    out += ["", "### B. Restored/fresh acceptance", "", LEGEND_B, ""]
+    out += _table(
+        ["drafter"] + [CONNECTORS.get(c, c) for c in connectors],
+        [
+            [DRAFTERS.get(d, d)] + [acceptance_cell(results.get((d, c))) for c in connectors]
+            for d in drafters
+        ],
+    )
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------ I/O
+
+
+def load_results(directory: Path) -> Results:
+    return {
+        key: AcceptCheckResult.model_validate_json(path.read_text())
+        for path in sorted(directory.glob("accept_*.json"))
+        if (key := parse_name(path.name)) is not None
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("dir", type=Path, help="directory with accept_<drafter>-<connector>.json")
+    ap.add_argument("--out", type=Path, help="also write the markdown here")
+    args = ap.parse_args(argv)
+    results = load_results(args.dir)
+    if not results:
+        print(f"no accept_*.json in {args.dir}", file=sys.stderr)
+        return 1
+    text = render(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
