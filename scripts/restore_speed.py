@@ -130,14 +130,14 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _loaded_by_connector() -> tuple[float, float]:
-    """(bytes loaded, GPU seconds the loads took) from our connector's counters."""
+    """(bytes, GPU seconds) of our connector's CPU-tier -> GPU loads, from its counters."""
     from _bench_summary import LOADED_BYTES, TRANSFER_S, _sum_prefix
     from _bench_worker import snapshot_metrics
 
     counters = snapshot_metrics()
     return (
-        _sum_prefix(counters, LOADED_BYTES),
-        _sum_prefix(counters, TRANSFER_S, direction="load"),
+        _sum_prefix(counters, LOADED_BYTES, tier="cpu"),
+        _sum_prefix(counters, TRANSFER_S, direction="load", tier="cpu"),
     )
 
 
@@ -202,6 +202,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         out = llm.generate([p], one, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
         if before is not None and gbps_into is not None:
+            # A load's copy time is read from CUDA events in a later step.
+            llm.generate([TokensPrompt(prompt_token_ids=[500, 501])], one, use_tqdm=False)
             after = _loaded_by_connector()
             nbytes, seconds = after[0] - before[0], after[1] - before[1]
             if nbytes > 0 and seconds > 0:

@@ -195,3 +195,38 @@ def test_unreachable_backend_serves_from_cpu_tier(model_dirs: tuple[Path, Path])
     assert time.monotonic() - started < 60
     fallbacks = eng.take_published()["fallbacks"]
     assert fallbacks.get("l3_write_dropped", 0) + fallbacks.get("store_failed", 0) >= 1
+
+
+def test_store_job_larger_than_write_backlog_writes_its_first_units(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    url = f"fs://{tmp_path / 'l3'}"
+    probe = l3_engine(model_dirs, url)
+    unit_bytes = probe.worker.worker.layout.unit_bytes
+    probe.worker.shutdown()
+    # Room for one unit: a 3-chunk prefill stores 3 units in one job.
+    l3 = {"enabled": True, "timeout_s": 2.0, "max_pending_write_bytes": unit_bytes * 3 // 2}
+    tokens = prompt(25, 3 * CHUNK + 5)
+    first = l3_engine(model_dirs, url, extra_config={"l3": l3})
+    first.add_request("fresh", tokens, max_tokens=1)
+    first.run_until_done()
+    finish_l3_writes(first)
+    assert first.take_published()["fallbacks"].get("l3_write_dropped") == 2
+    first.worker.shutdown()
+
+    second = l3_engine(model_dirs, url)
+    second.add_request("after-restart", tokens, max_tokens=1)
+    second.run_prefill("after-restart")
+    assert second.external_hits["after-restart"] == CHUNK
+    assert second.mismatched_positions("after-restart") == []
+    second.worker.shutdown()
+
+
+def test_write_backlog_below_one_unit_is_a_config_error(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from vllm_draft_offload.config import ConfigError
+
+    l3 = {"enabled": True, "max_pending_write_bytes": 1024}
+    with pytest.raises(ConfigError, match=r"l3\.max_pending_write_bytes"):
+        l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}", extra_config={"l3": l3})

@@ -29,9 +29,10 @@ class L3Config(BaseModel):
     # path, or `lmcache.*` keys collected from the extra config.
     config_file: str | None = None
     lmcache: dict[str, Any] = Field(default_factory=dict)
-    # Bytes of encoded units queued for L3 writes; past it new writes are
-    # dropped (counted), so a slow backend never stalls decode or grows memory.
-    max_pending_write_bytes: int = Field(default=1 << 30, gt=0)
+    # Bytes of units copied out for L3 writes and not yet written; past it new
+    # units are dropped (counted), so a slow backend never stalls decode or grows
+    # memory. 4 GiB holds a 16k-token prefix of a Llama-3-8B-sized target+drafter.
+    max_pending_write_bytes: int = Field(default=4 << 30, gt=0)
     io_threads: int = Field(default=2, ge=1, le=64)
     timeout_s: float = Field(default=5.0, gt=0)
 
@@ -60,6 +61,13 @@ class DraftOffloadConfig(BaseModel):
     min_store_tokens: int = Field(default=0, ge=0)
     # Audit mode: verify per-layer checksums of every restored unit.
     audit: bool = False
+    # Sampled audit: this fraction of requests (picked by a hash of the request id,
+    # so a rerun audits the same ones) recompute a prefix they could have loaded,
+    # and the recomputed KV is compared with the stored units (audit.py).
+    audit_recompute_fraction: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    # Largest relative error a recomputed layer may show; None: chosen by the
+    # layer's KV dtype (audit.DEFAULT_TOLERANCE).
+    audit_tolerance: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     l3: L3Config = Field(default_factory=L3Config)
 
     def check_budget(self, unit_bytes: int) -> None:
@@ -69,6 +77,12 @@ class DraftOffloadConfig(BaseModel):
                 f"kv_connector_extra_config.cpu_bytes_to_use={self.cpu_bytes} is smaller "
                 f"than one chunk of target+draft KV ({unit_bytes} bytes for chunk_size="
                 f"{self.chunk_size}); raise it or lower chunk_size"
+            )
+        if self.l3.enabled and self.l3.max_pending_write_bytes < unit_bytes:
+            raise ConfigError(
+                "kv_connector_extra_config.l3.max_pending_write_bytes="
+                f"{self.l3.max_pending_write_bytes} is smaller than one chunk of target+draft "
+                f"KV ({unit_bytes} bytes): no unit could ever be written to L3"
             )
 
 

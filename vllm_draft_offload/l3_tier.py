@@ -106,22 +106,25 @@ class WorkerL3:
     # ------------------------------------------------------------------ writes
 
     def write_units(self, job_id: int, raw_units: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
-        """Copy the units out of their slots, then write them; reports `job_id` once copied."""
+        """Copy the units out of their slots, then write them; reports `job_id` once copied.
+
+        Units are admitted one by one while the write backlog has room, so a store
+        job larger than the backlog still writes its first units.
+        """
         units = [UnitToWrite(*unit) for unit in raw_units]
-        nbytes = self.layout.unit_bytes * len(units)
+        unit_bytes = self.layout.unit_bytes
         with self._lock:
-            admit = (
-                self.store is not None
-                and self._pending_write_bytes + nbytes <= self.config.max_pending_write_bytes
-            )
-            if admit:
-                self._pending_write_bytes += nbytes
-        if not admit:
+            room = self.config.max_pending_write_bytes - self._pending_write_bytes
+            admitted = units[: max(0, room // unit_bytes)] if self.store is not None else []
+            nbytes = unit_bytes * len(admitted)
+            self._pending_write_bytes += nbytes
+        for _ in range(len(units) - len(admitted)):
             # Backlog full or no backend: drop the write, never stall or grow memory.
             self.events.put(("fallback", "l3_write_dropped"))
+        if not admitted:
             self.snapshots_done.put(job_id)
             return
-        self._writes.append(self._pool.submit(self._write, job_id, units, nbytes))
+        self._writes.append(self._pool.submit(self._write, job_id, admitted, nbytes))
         self._writes = [w for w in self._writes if not w.done()]
 
     def flush(self, timeout_s: float | None = None) -> None:
