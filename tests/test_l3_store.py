@@ -191,6 +191,15 @@ def test_round_trip_of_a_realistic_unit(any_store: tuple[str, L3Store]) -> None:
     assert [e.is_draft for e in header.layers] == [False] * 4 + [True] * 2
     assert payload.nbytes == 4 * (1 << 20) + 2 * (3 << 15)
     assert store.get(other) is None
+    # get_into hands LMCache's buffer to the consumer and returns what it returns.
+    into = bytearray(len(blob))
+
+    def copy_out(data: memoryview) -> int:
+        into[:] = data
+        return data.nbytes
+
+    assert store.get_into(key, copy_out) == len(blob) and into == blob
+    assert store.get_into(other, copy_out) is None
     assert store.staging_in_use() == 0
 
 

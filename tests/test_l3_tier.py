@@ -230,3 +230,31 @@ def test_write_backlog_below_one_unit_is_a_config_error(
     l3 = {"enabled": True, "max_pending_write_bytes": 1024}
     with pytest.raises(ConfigError, match=r"l3\.max_pending_write_bytes"):
         l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}", extra_config={"l3": l3})
+
+
+def test_fetch_does_not_wait_behind_writes(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    import threading
+
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(26, 3 * CHUNK + 2)
+    first = l3_engine(model_dirs, url)
+    first.add_request("fresh", tokens, max_tokens=1)
+    first.run_until_done()
+    finish_l3_writes(first)
+    first.worker.shutdown()
+
+    second = l3_engine(model_dirs, url)
+    l3 = second.worker.worker.l3
+    assert l3 is not None
+    # Every write thread busy (a long prompt's write-behind) while a request waits on L3.
+    release = threading.Event()
+    for _ in range(l3.config.io_threads):
+        l3._write_pool.submit(release.wait, 30)
+    try:
+        second.add_request("after-restart", tokens, max_tokens=1)
+        second.run_prefill("after-restart")
+        assert second.external_hits["after-restart"] == 3 * CHUNK
+        assert second.mismatched_positions("after-restart") == []
+    finally:
+        release.set()
+    second.worker.shutdown()

@@ -225,6 +225,15 @@ class L3Store:
 
     def get(self, key: str) -> bytes | None:
         """Returns the stored bytes unchanged, or None when the key is absent."""
+        return self.get_into(key, lambda data: data.tobytes())
+
+    def get_into(self, key: str, consume: Callable[[memoryview], T]) -> T | None:
+        """``consume(stored bytes)``, or None when the key is absent.
+
+        ``consume`` sees LMCache's own buffer, valid only during the call: a caller
+        that decodes and copies the object straight into its destination saves a
+        full copy of every unit it reads.
+        """
         lkey = self._key(key, "get")
         backend = self._backend
 
@@ -241,10 +250,10 @@ class L3Store:
         obj = self._run("get", key, lkey, _get, release=_release)
         if obj is None:
             return None
-        # The copy runs here and not on the loop, so a large unit does not hold up other
-        # threads' calls.
+        # The consumer runs here and not on the loop, so a large unit does not hold up
+        # other threads' calls.
         try:
-            return obj.byte_array.tobytes()
+            return consume(memoryview(obj.byte_array).cast("B"))
         finally:
             obj.ref_count_down()
 

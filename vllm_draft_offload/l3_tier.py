@@ -26,6 +26,7 @@ from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import (
     ExpectedUnit,
     LayerSpec,
+    UnitHeader,
     UnitRejected,
     decode_unit,
     encode_unit,
@@ -95,7 +96,15 @@ class WorkerL3:
             LayerSpec(slot.name, slot.is_draft, slot.nbytes) for slot in layout.layers
         )
         self.store = open_store(config)
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="draft-offload-l3")
+        # Separate pools: a fetch has a request waiting on it and must never queue
+        # behind the write-behind of a long prompt (one write task holds a thread
+        # for all the units of its store job).
+        self._write_pool = ThreadPoolExecutor(
+            config.io_threads, thread_name_prefix="draft-offload-l3-write"
+        )
+        self._read_pool = ThreadPoolExecutor(
+            config.io_threads, thread_name_prefix="draft-offload-l3-read"
+        )
         self._lock = threading.Lock()
         self._pending_write_bytes = 0
         self._writes: list[Future[None]] = []
@@ -124,7 +133,7 @@ class WorkerL3:
         if not admitted:
             self.snapshots_done.put(job_id)
             return
-        self._writes.append(self._pool.submit(self._write, job_id, admitted, nbytes))
+        self._writes.append(self._write_pool.submit(self._write, job_id, admitted, nbytes))
         self._writes = [w for w in self._writes if not w.done()]
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -168,25 +177,28 @@ class WorkerL3:
         if self.store is None:
             self.fetches_done.put(FetchResult(job_id, slot, None, "l3_unavailable"))
             return
-        self._pool.submit(self._fetch, job_id, slot, chunk_key)
+        self._read_pool.submit(self._fetch, job_id, slot, chunk_key)
 
     def _fetch(self, job_id: int, slot: int, chunk_key: bytes) -> None:
         assert self.store is not None
+        expected = ExpectedUnit(
+            key=chunk_key.hex(),
+            geometry_fingerprint=self.fingerprint,
+            drafter_id=self.drafter_id,
+            layers=self.layer_specs,
+            num_tokens=self.layout.chunk_size,
+        )
+
+        def into_slot(blob: memoryview) -> UnitHeader:
+            header, payload = decode_unit(blob, expected)
+            self.pool.unit_view(slot).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            return header
+
         try:
-            blob = self.store.get(object_key(chunk_key, self.rank))
-            if blob is None:
+            header = self.store.get_into(object_key(chunk_key, self.rank), into_slot)
+            if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))
                 return
-            expected = ExpectedUnit(
-                key=chunk_key.hex(),
-                geometry_fingerprint=self.fingerprint,
-                drafter_id=self.drafter_id,
-                layers=self.layer_specs,
-                num_tokens=self.layout.chunk_size,
-            )
-            header, payload = decode_unit(blob, expected)
-            target = self.pool.unit_view(slot).numpy()
-            target[:] = np.frombuffer(payload, dtype=np.uint8)
             self.fetches_done.put(
                 FetchResult(
                     job_id,
@@ -211,7 +223,8 @@ class WorkerL3:
             self.fetches_done.put(FetchResult(job_id, slot, None, "l3_corrupt"))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        self._read_pool.shutdown(wait=True, cancel_futures=True)
+        self._write_pool.shutdown(wait=True, cancel_futures=False)
         if self.store is not None:
             self.store.close()
 
