@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""How fast units come back from the LMCache storage tier, on this host's CPUs.
+
+    python scripts/l3_fetch_speed.py --url fs:///tmp/l3-speed [--unit-mb 36] [--units 16] \\
+        [--threads 1,2,4,8] [--out result.json]
+
+Writes ``--units`` real target+draft units (the codec's format, ``--unit-mb`` each:
+36 MiB is one 256-token chunk of a Llama-3-8B shape plus a 4-layer drafter), then
+reads them back the way a restore does (fetch, decode and verify, copy into a host
+slot) from 1..N threads, and reports GB/s per thread count. This is the CPU side of
+an L3 hit; GPU time is not involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_draft_offload.l3_store import L3Store
+from vllm_draft_offload.unit_codec import (
+    ExpectedUnit,
+    LayerSpec,
+    decode_unit,
+    encode_unit,
+    make_header,
+)
+
+NUM_LAYERS = 36  # 32 target + 4 draft
+
+
+def write_units(store: L3Store, units: int, unit_bytes: int) -> ExpectedUnit:
+    per_layer = unit_bytes // NUM_LAYERS
+    layers = tuple(LayerSpec(f"layer{i}", i >= 32, per_layer) for i in range(NUM_LAYERS))
+    payload = np.random.default_rng(0).integers(0, 255, per_layer * NUM_LAYERS, dtype=np.uint8)
+    key = "ab" * 16
+    header = make_header(
+        key=key,
+        geometry_fingerprint="l3-fetch-speed",
+        drafter_id="l3-fetch-speed",
+        num_tokens=256,
+        layers=layers,
+        payload=payload,
+        successor_tokens=(),
+    )
+    blob = encode_unit(header, payload)
+    for i in range(units):
+        store.put(f"{i:032x}", blob)
+    return ExpectedUnit(
+        key=key,
+        geometry_fingerprint="l3-fetch-speed",
+        drafter_id="l3-fetch-speed",
+        layers=layers,
+        num_tokens=256,
+    )
+
+
+def read_all(store: L3Store, units: int, expected: ExpectedUnit, threads: int) -> float:
+    """Seconds to fetch, verify and copy every unit into its own host slot."""
+    slot_bytes = sum(layer.nbytes for layer in expected.layers)
+    slots = np.ones((units, slot_bytes), dtype=np.uint8)  # touched, like the host pool
+
+    def fetch(i: int) -> None:
+        def into_slot(blob: memoryview) -> bool:
+            _, payload = decode_unit(blob, expected)
+            slots[i] = np.frombuffer(payload, dtype=np.uint8)
+            return True
+
+        if store.get_into(f"{i:032x}", into_slot) is None:
+            raise RuntimeError(f"unit {i} missing")
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fetch, range(units)))
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", required=True, help="LMCache remote_url, e.g. fs:///tmp/l3-speed")
+    ap.add_argument("--unit-mb", type=float, default=36.0)
+    ap.add_argument("--units", type=int, default=16)
+    ap.add_argument("--threads", default="1,2,4")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    unit_bytes = int(args.unit_mb * 2**20) // NUM_LAYERS * NUM_LAYERS
+    staging_mb = max(64, int(2 * args.unit_mb * max(int(t) for t in args.threads.split(","))))
+    store = L3Store.from_dict(
+        {
+            "chunk_size": 256,
+            "remote_url": args.url,
+            "remote_serde": "naive",
+            "extra_config": {"save_chunk_meta": True, "draft_offload.l3_staging_mb": staging_mb},
+        },
+        timeout_s=60,
+    )
+    try:
+        expected = write_units(store, args.units, unit_bytes)
+        results = {}
+        for threads in (int(t) for t in args.threads.split(",")):
+            best = min(read_all(store, args.units, expected, threads) for _ in range(args.reps))
+            results[str(threads)] = args.units * unit_bytes / best / 1e9
+            print(f"threads={threads}: {results[str(threads)]:.2f} GB/s", flush=True)
+    finally:
+        store.close()
+    report = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "url": args.url,
+        "unit_bytes": unit_bytes,
+        "units": args.units,
+        "read_GBps_by_threads": results,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
