@@ -59,13 +59,21 @@ def finish_l3_writes(eng: SimEngine) -> None:
     eng.step()  # report the snapshots
 
 
-def run_restart(model_dirs: tuple[Path, Path], url: str, eagle: bool) -> None:
-    tokens = prompt(21, 3 * CHUNK + 9)
-    first = l3_engine(model_dirs, url, eagle=eagle)
-    first.add_request("fresh", tokens, max_tokens=3)
+def fill_l3(
+    model_dirs: tuple[Path, Path], url: str, tokens: list[int], max_tokens: int = 1, **setup: object
+) -> SimEngine:
+    """One engine serves request "fresh", lands its L3 writes and stops."""
+    first = l3_engine(model_dirs, url, **setup)
+    first.add_request("fresh", tokens, max_tokens=max_tokens)
     first.run_until_done()
     finish_l3_writes(first)
     first.worker.shutdown()
+    return first
+
+
+def run_restart(model_dirs: tuple[Path, Path], url: str, eagle: bool) -> None:
+    tokens = prompt(21, 3 * CHUNK + 9)
+    first = fill_l3(model_dirs, url, tokens, max_tokens=3, eagle=eagle)
 
     second = l3_engine(model_dirs, url, eagle=eagle)
     second.add_request("after-restart", tokens, max_tokens=3)
@@ -93,10 +101,7 @@ def test_restart_restores_from_redis(model_dirs: tuple[Path, Path], redis_url: s
 def test_other_drafter_never_reuses_objects(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     url = f"fs://{tmp_path / 'l3'}"
     tokens = prompt(22, 2 * CHUNK + 1)
-    first = l3_engine(model_dirs, url)
-    first.add_request("fresh", tokens, max_tokens=1)
-    first.run_until_done()
-    finish_l3_writes(first)
+    fill_l3(model_dirs, url, tokens)
     other_draft = write_tiny_llama(
         tmp_path / "other-draft", layers=1, heads=2, kv_heads=2, head_dim=64
     )
@@ -207,12 +212,8 @@ def test_store_job_larger_than_write_backlog_writes_its_first_units(
     # Room for one unit: a 3-chunk prefill stores 3 units in one job.
     l3 = {"enabled": True, "timeout_s": 2.0, "max_pending_write_bytes": unit_bytes * 3 // 2}
     tokens = prompt(25, 3 * CHUNK + 5)
-    first = l3_engine(model_dirs, url, extra_config={"l3": l3})
-    first.add_request("fresh", tokens, max_tokens=1)
-    first.run_until_done()
-    finish_l3_writes(first)
+    first = fill_l3(model_dirs, url, tokens, extra_config={"l3": l3})
     assert first.take_published()["fallbacks"].get("l3_write_dropped") == 2
-    first.worker.shutdown()
 
     second = l3_engine(model_dirs, url)
     second.add_request("after-restart", tokens, max_tokens=1)
@@ -237,11 +238,7 @@ def test_fetch_does_not_wait_behind_writes(model_dirs: tuple[Path, Path], tmp_pa
 
     url = f"fs://{tmp_path / 'l3'}"
     tokens = prompt(26, 3 * CHUNK + 2)
-    first = l3_engine(model_dirs, url)
-    first.add_request("fresh", tokens, max_tokens=1)
-    first.run_until_done()
-    finish_l3_writes(first)
-    first.worker.shutdown()
+    fill_l3(model_dirs, url, tokens)
 
     second = l3_engine(model_dirs, url)
     l3 = second.worker.worker.l3
