@@ -351,3 +351,35 @@ def test_unit_evicted_between_lookup_and_load_means_recompute(
     eng.run_until_done()
     assert eng.outputs["restored"] == eng.outputs["fresh"]
     assert eng.take_published()["fallbacks"] == {"load_error": 1}
+
+
+def test_unit_evicted_mid_prefix_keeps_the_chunks_before_it(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    eng = engine(model_dirs)
+    tokens = prompt(22, 3 * CHUNK + 3)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    eng.scheduler.reset_prefix_cache()
+    eng.corrupt_device_kv()
+    eng.take_published()
+    sched = eng.scheduler.connector.scheduler
+    real_lookup = sched.get_num_new_matched_tokens
+
+    def lookup_then_evict_second(request, num_computed_tokens):  # noqa: ANN001, ANN202
+        result = real_lookup(request, num_computed_tokens)
+        match = sched._requests[request.request_id].pending_match
+        sched.index.remove(match.chunks[1][1].handle)  # the second of three chunks
+        return result
+
+    sched.get_num_new_matched_tokens = lookup_then_evict_second
+    eng.add_request("restored", tokens, max_tokens=2)
+    eng.run_prefill("restored")
+    sched.get_num_new_matched_tokens = real_lookup
+    assert sched.restored_tokens("restored") == CHUNK
+    assert eng.mismatched_positions("restored") == []
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]
+    published = eng.take_published()
+    assert published["fallbacks"] == {"load_error": 1}
+    assert published["chunks"]["load/cpu"] == 1  # the first chunk still came from the tier

@@ -30,9 +30,9 @@ class TransferJob:
     # Store only: the request has finished; report it in finished_sending once
     # all of its stores are done so vLLM frees its blocks.
     finishing: bool = False
-    # Load only: part of the planned data is gone; the worker reports the blocks
-    # as failed so vLLM recomputes them.
-    invalid: bool = False
+    # Load only: GPU blocks of chunks whose unit is gone since the lookup; the
+    # worker reports them as failed so vLLM recomputes them, and loads the rest.
+    error_blocks: list[int] = field(default_factory=list)
     # Store only, with an L3 tier: (slot, chunk key, successors) of each new unit,
     # written to L3 once the store completes.
     l3_units: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)

@@ -221,22 +221,38 @@ class DraftOffloadScheduler:
         units: list[UnitId] = []
         host_pages: list[list[int]] = [[] for _ in self.layout.groups]
         gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
-        vanished = False
+        error_blocks: list[list[int]] = [[] for _ in self.layout.groups]
+        loaded_end = match.end_token
         for chunk, view in match.chunks:
             if chunk * self.chunk_size >= match.end_token:
                 break
             unit_id: UnitId = view.handle  # type: ignore[assignment]
-            entry = self.index.get(unit_id)
+            entry = self.index.get(unit_id) if loaded_end == match.end_token else None
             if entry is None or not entry.ready:
                 # Evicted between lookup and allocation: vLLM already counts these
-                # tokens as loaded, so the worker must report the blocks for recompute.
-                vanished, slot = True, -1
-            else:
-                self.index.pin(unit_id)
-                units.append(unit_id)
-                slot = entry.slot
+                # tokens as loaded, so the worker reports their blocks (and every later
+                # chunk's: a prefix cannot have holes) for recompute.
+                loaded_end = min(loaded_end, chunk * self.chunk_size)
+                self.layout.add_chunk_pages(
+                    [[] for _ in self.layout.groups],
+                    error_blocks,
+                    0,
+                    chunk,
+                    block_ids,
+                    match.start_token,
+                    match.end_token,
+                )
+                continue
+            self.index.pin(unit_id)
+            units.append(unit_id)
             self.layout.add_chunk_pages(
-                host_pages, gpu_blocks, slot, chunk, block_ids, match.start_token, match.end_token
+                host_pages,
+                gpu_blocks,
+                entry.slot,
+                chunk,
+                block_ids,
+                match.start_token,
+                match.end_token,
             )
         job = TransferJob(
             next(self._job_ids),
@@ -244,11 +260,11 @@ class DraftOffloadScheduler:
             "load",
             host_pages,
             gpu_blocks,
-            invalid=vanished,
+            error_blocks=[block for blocks in error_blocks for block in blocks],
         )
         self._add_job(job.job_id, JobRecord(request.request_id, "load", units))
         state.inflight_jobs.add(job.job_id)
-        state.restored_tokens = match.num_tokens
+        state.restored_tokens = max(0, loaded_end - match.start_token)
         # Chunks already in the tier need no store; skip past them.
         state.next_store_chunk = max(state.next_store_chunk, match.end_token // self.chunk_size)
         self._pending_loads.append(job)

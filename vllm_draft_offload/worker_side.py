@@ -187,9 +187,9 @@ class DraftOffloadWorker:
         """Jobs whose copies can be built; the rest are reported for recompute."""
         valid = []
         for job in jobs:
-            if job.invalid:
-                self._fail_load(job, "load_error")
-                continue
+            if job.error_blocks:
+                self.stats.record_fallback("load_error")
+                self._load_error_blocks.update(job.error_blocks)
             try:
                 for region in self.regions:
                     self._job_descriptors(region, [job], to_host=False)
