@@ -183,16 +183,21 @@ class DraftOffloadWorker:
         # Target layers first: the drafter runs after the whole target forward.
         return sorted(self.regions, key=lambda r: r.slot.is_draft)
 
-    def _valid_loads(self, jobs: list[TransferJob]) -> list[TransferJob]:
-        """Jobs whose copies can be built; the rest are reported for recompute."""
+    def _valid_loads(
+        self, jobs: list[TransferJob]
+    ) -> list[tuple[TransferJob, dict[str, Descriptors]]]:
+        """Jobs whose copies can be built, with their copies per layer; the rest are
+        reported for recompute."""
         valid = []
         for job in jobs:
             if job.error_blocks:
                 self.stats.record_fallback("load_error")
                 self._load_error_blocks.update(job.error_blocks)
             try:
-                for region in self.regions:
-                    self._job_descriptors(region, [job], to_host=False)
+                copies = {
+                    region.slot.name: self._job_descriptors(region, [job], to_host=False)
+                    for region in self.regions
+                }
             except ValueError as exc:
                 logger.warning("DraftOffloadConnector: load job %d refused: %s", job.job_id, exc)
                 self._fail_load(job, "load_error")
@@ -200,7 +205,7 @@ class DraftOffloadWorker:
             if self.config.audit and not self._audit_passes(job):
                 self._fail_load(job, "audit_mismatch")
                 continue
-            valid.append(job)
+            valid.append((job, copies))
         return valid
 
     def _job_slots(self, job: TransferJob) -> set[int]:
@@ -255,9 +260,10 @@ class DraftOffloadWorker:
                 self._worker_meta.failure_causes[fetch.job_id] = "l3_unavailable"
             else:
                 self.l3.fetch_unit(fetch.job_id, fetch.slot, fetch.chunk_key)
-        loads = self._valid_loads(meta.loads)
-        if not loads:
+        planned = self._valid_loads(meta.loads)
+        if not planned:
             return
+        loads = [job for job, _ in planned]
         started = time.perf_counter()
         num_bytes = {True: 0, False: 0}
         start_event = None
@@ -268,7 +274,7 @@ class DraftOffloadWorker:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record(self._load_stream)
         for region in self._ordered_regions():
-            desc = self._job_descriptors(region, loads, to_host=False)
+            desc = Descriptors.concat([copies[region.slot.name] for _, copies in planned])
             num_bytes[region.slot.is_draft] += desc.num_bytes
             if self._on_device:
                 assert self._load_stream is not None
