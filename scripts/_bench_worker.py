@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,24 @@ def metrics_delta(after: dict[str, float], before: dict[str, float]) -> dict[str
     """Nonzero differences only: keeps the JSON readable (hundreds of zero series)."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if _keep(k)}
     return {k: v for k, v in delta.items() if v}
+
+
+def reset_prefix_cache_after_stores(
+    llm: Any, step: Callable[[], object], attempts: int = 100, pause_s: float = 0.02
+) -> int | None:
+    """Evict the GPU prefix cache; returns the attempts it took, None if it never did.
+
+    A connector keeps a finished request's blocks until its stores complete, and
+    the offline engine only notices completions while stepping, so a failed reset
+    is followed by ``step()``: a tiny request (shorter than a block: nothing gets
+    stored).
+    """
+    for attempt in range(1, attempts + 1):
+        if llm.reset_prefix_cache():
+            return attempt
+        step()
+        time.sleep(pause_s)
+    return None
 
 
 def request_record(out: Any, expected_hit: int | None) -> dict[str, Any]:
@@ -141,19 +160,14 @@ class Runner:
         return outs, time.perf_counter() - t0
 
     def reset_gpu_cache(self) -> dict[str, Any]:
-        """Evict the GPU prefix cache; retry while finished requests still hold blocks.
+        """Evict the GPU prefix cache (see `reset_prefix_cache_after_stores`)."""
 
-        A connector keeps a finished request's blocks until its stores complete, and
-        the offline engine only notices completions while stepping, so a failed reset
-        is followed by a tiny request (shorter than a block: nothing gets stored).
-        """
-        for attempt in range(1, 101):
-            if self.llm.reset_prefix_cache():
-                return {"ok": True, "attempts": attempt}
+        def step() -> None:
             self._dummy += 1
             self.generate([unique_prompt(self.vocab, 7, f"dummy{self._dummy}", 2)], 1)
-            time.sleep(0.02)
-        return {"ok": False, "attempts": 100}
+
+        attempts = reset_prefix_cache_after_stores(self.llm, step)
+        return {"ok": attempts is not None, "attempts": attempts or 100}
 
     def phase(
         self,

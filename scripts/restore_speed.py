@@ -163,6 +163,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     L3 (``hit_s``), a second one after a GPU-cache reset from the CPU tier the
     first one filled (``cpu_hit_s``); ``fresh_s`` there are new prompts.
     """
+    from _bench_worker import reset_prefix_cache_after_stores
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -196,14 +197,17 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             ]
         )
 
+    def step_engine() -> None:
+        """A 2-token request: the engine does what it had pending, nothing is stored."""
+        llm.generate([TokensPrompt(prompt_token_ids=[500, 501])], one, use_tqdm=False)
+
     def timed(p: TokensPrompt, gbps_into: list[float] | None = None) -> tuple[float, int]:
         before = _loaded_by_connector() if ours and gbps_into is not None else None
         start = time.perf_counter()
         out = llm.generate([p], one, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
         if before is not None and gbps_into is not None:
-            # A load's copy time is read from CUDA events in a later step.
-            llm.generate([TokensPrompt(prompt_token_ids=[500, 501])], one, use_tqdm=False)
+            step_engine()  # a load's copy time is read from CUDA events in a later step
             after = _loaded_by_connector()
             nbytes, seconds = after[0] - before[0], after[1] - before[1]
             if nbytes > 0 and seconds > 0:
@@ -211,18 +215,9 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         return elapsed, int(out.num_cached_tokens or 0)
 
     def empty_gpu_cache() -> None:
-        """Reset the GPU prefix cache once every store has landed.
-
-        A connector holds a finished request's blocks until its stores complete,
-        and the reset refuses while blocks are held; the engine only makes
-        progress while it steps, so step it with a 2-token request meanwhile.
-        """
-        for _ in range(200):
-            if llm.reset_prefix_cache():
-                return
-            llm.generate([TokensPrompt(prompt_token_ids=[500, 501])], one, use_tqdm=False)
-            time.sleep(0.05)
-        raise RuntimeError("GPU prefix cache never emptied: stores did not complete")
+        """Reset the GPU prefix cache once every store has landed."""
+        if reset_prefix_cache_after_stores(llm, step_engine, attempts=200, pause_s=0.05) is None:
+            raise RuntimeError("GPU prefix cache never emptied: stores did not complete")
 
     def hit(rep: int, into: dict[str, list], prefix: str = "") -> None:
         empty_gpu_cache()
