@@ -401,6 +401,12 @@ class SimEngine:
         data, self.published = self.published.data, DraftOffloadStats()
         return data
 
+    def evict_gpu_kv(self) -> None:
+        """Empty the GPU prefix cache and overwrite every block: a later request
+        sees only the KV the connector loads."""
+        self.scheduler.reset_prefix_cache()
+        self.corrupt_device_kv()
+
     def corrupt_device_kv(self) -> None:
         """Overwrite every GPU block: whatever a later request reads must be loaded."""
         for tensor in self.kv_caches.values():

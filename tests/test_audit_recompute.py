@@ -79,8 +79,7 @@ def store_then_forget_gpu(eng: SimEngine, req_id: str, tokens: list[int]) -> Non
     """Store `tokens` in the CPU tier, then leave nothing reusable on the GPU."""
     eng.add_request(req_id, tokens, max_tokens=2)
     eng.run_until_done()
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.take_published()
 
 
@@ -115,8 +114,7 @@ def test_clean_units_pass_and_stay_usable(model_dirs: tuple[Path, Path], eagle: 
 
     # The audited units still serve requests that are not audited.
     assert all(scheduler(eng).index.get(unit_id) is not None for unit_id in units)
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.add_request(PLAIN[1], tokens, max_tokens=2)
     eng.run_prefill(PLAIN[1])
     assert eng.external_hits[PLAIN[1]] == 3 * CHUNK
@@ -171,8 +169,7 @@ def test_planted_draft_corruption_is_caught_and_recomputed(
     assert eng.outputs[AUDITED[0]] == eng.outputs[PLAIN[0]]
 
     # A later request loads the chunk before the dropped one and recomputes the rest.
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.add_request(PLAIN[1], tokens, max_tokens=2)
     eng.run_prefill(PLAIN[1])
     assert eng.external_hits[PLAIN[1]] == CHUNK

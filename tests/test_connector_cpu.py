@@ -35,8 +35,7 @@ def test_round_trip_is_bit_exact_for_every_layer(
     eng.run_until_done()
     assert len(index_of(eng)) == 4
 
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     worker = eng.worker.worker
     eng.take_published()
     eng.add_request("restored", tokens, max_tokens=4)
@@ -63,8 +62,7 @@ def test_corrupt_host_copy_is_detected(model_dirs: tuple[Path, Path]) -> None:
     for entry in list(index_of(eng)._entries.values()):
         unit = worker.pool.unit_view(entry.slot)
         unit[draft.offset : draft.offset + draft.nbytes] ^= 0x55
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.add_request("restored", tokens, max_tokens=2)
     eng.run_prefill("restored")
     bad_layers = {name for name, _ in eng.mismatched_positions("restored")}
@@ -100,8 +98,7 @@ def test_eagle_successor_mismatch_recomputes_one_token(model_dirs: tuple[Path, P
     shared = prompt(4, 3 * CHUNK)
     eng.add_request("x", [*shared, 11, *prompt(5, 20)], max_tokens=2)
     eng.run_until_done()
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
 
     # Same prefix, different token after the chunk boundary: the last chunk is
     # loaded but its last position is recomputed, so its draft KV is rebuilt.
@@ -111,8 +108,7 @@ def test_eagle_successor_mismatch_recomputes_one_token(model_dirs: tuple[Path, P
     assert eng.mismatched_positions("y") == []
     eng.run_until_done()
 
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.add_request("x2", [*shared, 11, *prompt(7, 40)], max_tokens=2)
     eng.run_prefill("x2")
     assert eng.external_hits["x2"] == 3 * CHUNK
@@ -127,8 +123,7 @@ def test_eagle_without_successor_check_would_serve_stale_draft_kv(
     shared = prompt(8, 2 * CHUNK)
     eng.add_request("x", [*shared, 11, *prompt(9, 10)], max_tokens=1)
     eng.run_until_done()
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.add_request("y", [*shared, 12, *prompt(10, 10)], max_tokens=1)
     eng.run_prefill("y")
     assert eng.external_hits["y"] == 2 * CHUNK
@@ -147,8 +142,7 @@ def test_chunk_ending_on_prompt_end_is_stored_with_sampled_successor(
     successors = {entry.successors for entry in index_of(eng)._entries.values()}
     assert (first_output,) in successors
     # A follow-up turn that continues with the model's own answer reuses both chunks.
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.add_request("turn2", [*tokens, *eng.outputs["a"], *prompt(12, 9)], max_tokens=1)
     eng.run_prefill("turn2")
     assert eng.external_hits["turn2"] >= 2 * CHUNK
@@ -165,8 +159,7 @@ def test_budget_and_lru_under_many_requests(model_dirs: tuple[Path, Path]) -> No
         eng.run_until_done()
         assert len(index_of(eng)) <= 6
     assert index_of(eng).num_evictions == 12 * 2 - 6
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     for i, expected in ((11, 2 * CHUNK), (0, 0)):
         eng.add_request(f"again{i}", prompt(100 + i, 2 * CHUNK + 1), max_tokens=1)
         eng.run_prefill(f"again{i}")
@@ -180,8 +173,7 @@ def test_failed_load_falls_back_to_recompute(model_dirs: tuple[Path, Path]) -> N
     tokens = prompt(13, 2 * CHUNK + 7)
     eng.add_request("fresh", tokens, max_tokens=2)
     eng.run_until_done()
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     # Damage the load plan the scheduler hands the worker: the worker must
     # refuse it and report the blocks, and vLLM must recompute them.
     sched = eng.scheduler.connector.scheduler
@@ -243,8 +235,7 @@ def test_audit_catches_corrupt_draft_layer_and_recomputes(model_dirs: tuple[Path
     victim = next(iter(index_of(eng)._entries.values()))
     unit = worker.pool.unit_view(victim.slot)
     unit[draft.offset + 5] ^= 0x01  # one flipped bit in one draft layer
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.take_published()
     eng.add_request("restored", tokens, max_tokens=2)
     eng.run_prefill("restored")
@@ -306,8 +297,7 @@ def test_hits_leave_two_tokens_to_compute_under_spec_decode(
     tokens = prompt(19, 2 * CHUNK)
     eng.add_request("fresh", tokens, max_tokens=2)
     eng.run_until_done()
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.add_request("restored", tokens, max_tokens=2)
     eng.run_prefill("restored")
     assert eng.external_hits["restored"] == 2 * CHUNK - 2
@@ -333,8 +323,7 @@ def test_unit_evicted_between_lookup_and_load_means_recompute(
     tokens = prompt(21, 2 * CHUNK + 3)
     eng.add_request("fresh", tokens, max_tokens=2)
     eng.run_until_done()
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     sched = eng.scheduler.connector.scheduler
     real_lookup = sched.get_num_new_matched_tokens
 
@@ -360,8 +349,7 @@ def test_unit_evicted_mid_prefix_keeps_the_chunks_before_it(
     tokens = prompt(22, 3 * CHUNK + 3)
     eng.add_request("fresh", tokens, max_tokens=2)
     eng.run_until_done()
-    eng.scheduler.reset_prefix_cache()
-    eng.corrupt_device_kv()
+    eng.evict_gpu_kv()
     eng.take_published()
     sched = eng.scheduler.connector.scheduler
     real_lookup = sched.get_num_new_matched_tokens
