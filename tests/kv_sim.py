@@ -7,6 +7,13 @@ forward is simulated, because no attention kernel runs here: each step writes,
 for every computed position, KV that is a deterministic function of the token
 prefix (and, for EAGLE-style draft layers, of the next token too). A restore
 is correct exactly when the KV in the blocks equals what this function gives.
+
+The simulated forward also reads the cache, as attention does: a sampled token
+depends on the bytes of every computed position of every layer, target and
+draft, gathered from the request's own blocks. Wrong KV anywhere in the context
+therefore changes the outputs, so an output-equality assert checks what was
+restored and everything computed on top of it. (A real drafter's KV only moves
+acceptance; the simulator is stricter on purpose.)
 """
 
 from __future__ import annotations
@@ -83,12 +90,46 @@ def write_tiny_llama(path: Path, layers: int, heads: int, kv_heads: int, head_di
     return path
 
 
+EAGLE_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
+
+
+def write_eagle_head(draft_dir: Path, target_dir: Path, method: str) -> Path:
+    """A config-only EAGLE/EAGLE3 head next to `draft_dir`, with its shape.
+
+    vLLM's SpeculativeConfig takes it as method "eagle"/"eagle3" (it wraps it
+    in its EAGLEConfig); no weights are read. Written beside the draft so that a
+    test that swaps the draft directory swaps the drafter's identity too.
+    """
+    config = json.loads((draft_dir / "config.json").read_text())
+    target = json.loads((target_dir / "config.json").read_text())
+    config["architectures"] = [EAGLE_ARCHITECTURES[method]]
+    if method == "eagle3":
+        aux_ids = [0, 1, 2]  # vLLM's default ids collapse for a 2-layer target
+        config |= {
+            "draft_vocab_size": config["vocab_size"],
+            "target_hidden_size": target["hidden_size"],
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": aux_ids,
+                "use_aux_hidden_state": True,
+            },
+        }
+    path = draft_dir.parent / f"{draft_dir.name}-{method}"
+    path.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config)
+    file = path / "config.json"
+    if not file.exists() or file.read_text() != text:
+        file.write_text(text)
+    return path
+
+
 @dataclass
 class SimSetup:
     """Which KV geometry the simulated engine has."""
 
     draft_layout: str = "shared_group"  # or "separate_group"
     eagle: bool = False  # draft KV at p depends on token p+1
+    eagle_method: str = "eagle"  # the speculative method when `eagle`: "eagle" or "eagle3"
     chunk_size: int = 32
     cpu_units: int = 64
     num_gpu_blocks: int = 96
@@ -155,10 +196,14 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
         max_model_len=2048,
         skip_tokenizer_init=True,
     )
-    # Hit arithmetic in the tests assumes vLLM's own minimum of one computed token.
-    extra = {"chunk_size": setup.chunk_size, "min_compute_tokens": 1, **setup.extra_config}
+    # successor_tokens and min_compute_tokens are left to the connector, which
+    # derives them from the speculative config below (a test may still pin them).
+    extra = {"chunk_size": setup.chunk_size, **setup.extra_config}
     if setup.eagle:
-        extra.setdefault("successor_tokens", 1)
+        method = setup.eagle_method
+        spec_dir = write_eagle_head(draft_dir, model_dir, method)
+    else:
+        method, spec_dir = "draft_model", draft_dir
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -176,8 +221,8 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
         ),
         device_config=DeviceConfig("cpu"),
         speculative_config=SpeculativeConfig(
-            method="draft_model",
-            model=str(draft_dir),
+            method=method,
+            model=str(spec_dir),
             num_speculative_tokens=2,
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
@@ -198,9 +243,11 @@ def kv_value(layer: str, prefix: tuple[int, ...]) -> float:
     return (int.from_bytes(digest, "little") % 255 - 127) / 8.0
 
 
-def next_token(tokens: list[int]) -> int:
-    """The simulated model's greedy choice: a function of the context."""
-    return (sum(tokens[-3:]) * 31 + len(tokens) * 7) % (VOCAB - 10) + 10
+def next_token(tokens: list[int], kv_digest: bytes = b"") -> int:
+    """The simulated model's greedy choice: a function of the context and of
+    the KV read for it (`kv_digest`, see SimEngine.read_kv_digest)."""
+    mixed = hashlib.blake2b(repr((tokens[-3:], len(tokens))).encode() + kv_digest, digest_size=8)
+    return int.from_bytes(mixed.digest(), "little") % (VOCAB - 10) + 10
 
 
 class SimEngine:
@@ -288,10 +335,13 @@ class SimEngine:
 
     # -------------------------------------------------------------------- step
 
-    def _write_position(self, request: Request, position: int, successor: int | None) -> None:
+    def _write_position(
+        self, request: Request, position: int, successor: int | None, layers: list[str]
+    ) -> None:
         tokens = request.all_token_ids
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
-        for name, tensor in self.kv_caches.items():
+        for name in layers:
+            tensor = self.kv_caches[name]
             group = self.group_of[name]
             block_size = self.block_size_of[group]
             block = block_ids[group][position // block_size]
@@ -301,6 +351,24 @@ class SimEngine:
             value = kv_value(name, prefix)
             pattern = value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4
             tensor[block, :, position % block_size, :] = pattern.to(tensor.dtype)
+
+    def read_kv_digest(self, req_id: str, num_target: int, num_draft: int) -> bytes:
+        """What attention reads: the first `num_target` positions of every target
+        layer and `num_draft` of every draft layer, as stored in the request's
+        blocks, folded into one digest (every byte counts)."""
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        digest = hashlib.blake2b(digest_size=16)
+        for name, tensor in self.kv_caches.items():
+            count = num_draft if name in self.draft_names else num_target
+            if count <= 0:
+                continue
+            group = self.group_of[name]
+            block_size = self.block_size_of[group]
+            blocks = torch.tensor(block_ids[group][: -(-count // block_size)], dtype=torch.long)
+            pages = tensor[blocks]  # [blocks, heads, block_size, head_size]: a gathered copy
+            rows = pages.transpose(1, 2).reshape(-1, pages.shape[1] * pages.shape[3])[:count]
+            digest.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.digest()
 
     def expected_position(self, name: str, tokens: list[int], position: int) -> torch.Tensor:
         tensor = self.kv_caches[name]
@@ -323,19 +391,40 @@ class SimEngine:
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)
         worker.start_load_kv(None)
+        if sched_out.num_scheduled_tokens:
+            for name in self.kv_caches:
+                worker.wait_for_layer_load(name)
+        target_layers = [name for name in self.kv_caches if name not in self.draft_names]
+        draft_layers = [name for name in self.kv_caches if name in self.draft_names]
+        # Positions computed in this step are written first, then the whole
+        # context is read back (like attention) and decides the sampled token.
+        # An EAGLE drafter writes the last position's draft KV from the sampled
+        # token, so that position's draft KV is written after sampling, and read
+        # from the next step on.
         sampled: dict[str, int] = {}
+        deferred: list[tuple[Request, int]] = []
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - num_tokens  # already advanced
             tokens = request.all_token_ids
             end = start + num_tokens
-            if end >= len(tokens):
-                sampled[req_id] = next_token(list(tokens))
             for position in range(start, end):
-                successor = tokens[position + 1] if position + 1 < len(tokens) else sampled[req_id]
-                for name in self.kv_caches:
-                    worker.wait_for_layer_load(name)
-                self._write_position(request, position, successor)
+                if position + 1 < len(tokens):
+                    self._write_position(
+                        request, position, tokens[position + 1], list(self.kv_caches)
+                    )
+                else:
+                    self._write_position(request, position, None, target_layers)
+                    if self.setup.eagle:
+                        deferred.append((request, position))
+                    else:
+                        self._write_position(request, position, None, draft_layers)
+            if end >= len(tokens):
+                num_draft = end - 1 if self.setup.eagle else end
+                digest = self.read_kv_digest(req_id, end, num_draft)
+                sampled[req_id] = next_token(list(tokens), digest)
+        for request, position in deferred:
+            self._write_position(request, position, sampled[request.request_id], draft_layers)
         worker.wait_for_save()
         finished_sending, finished_recving = worker.get_finished(sched_out.finished_req_ids)
         kv_out = KVConnectorOutput(
