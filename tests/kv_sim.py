@@ -90,19 +90,29 @@ def write_tiny_llama(path: Path, layers: int, heads: int, kv_heads: int, head_di
     return path
 
 
-EAGLE_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
+EAGLE_ARCHITECTURES = {
+    "eagle": "EagleLlamaForCausalLM",
+    "eagle3": "Eagle3LlamaForCausalLM",
+    # vLLM rewrites a MiMo checkpoint into its MTP modules (MiMoMTPModel).
+    "mtp": "MiMoForCausalLM",
+}
+NUM_SPECULATIVE_TOKENS = 2
+MTP_LAYERS = NUM_SPECULATIVE_TOKENS  # multi-module MTP: one module per speculative token
 
 
 def write_eagle_head(draft_dir: Path, target_dir: Path, method: str) -> Path:
-    """A config-only EAGLE/EAGLE3 head next to `draft_dir`, with its shape.
+    """A config-only EAGLE/EAGLE3/MTP drafter next to `draft_dir`, with its shape.
 
     vLLM's SpeculativeConfig takes it as method "eagle"/"eagle3" (it wraps it
-    in its EAGLEConfig); no weights are read. Written beside the draft so that a
-    test that swaps the draft directory swaps the drafter's identity too.
+    in its EAGLEConfig) or "mtp" (MiMo's multi-module MTP, S = MTP_LAYERS);
+    no weights are read. Written beside the draft so that a test that swaps the
+    draft directory swaps the drafter's identity too.
     """
     config = json.loads((draft_dir / "config.json").read_text())
     target = json.loads((target_dir / "config.json").read_text())
     config["architectures"] = [EAGLE_ARCHITECTURES[method]]
+    if method == "mtp":
+        config |= {"model_type": "qwen2", "num_nextn_predict_layers": MTP_LAYERS}
     if method == "eagle3":
         aux_ids = [0, 1, 2]  # vLLM's default ids collapse for a 2-layer target
         config |= {
@@ -129,7 +139,8 @@ class SimSetup:
 
     draft_layout: str = "shared_group"  # or "separate_group"
     eagle: bool = False  # draft KV at p depends on token p+1
-    eagle_method: str = "eagle"  # the speculative method when `eagle`: "eagle" or "eagle3"
+    # The speculative method when `eagle`: "eagle", "eagle3" or "mtp" (multi-module, S = 2).
+    eagle_method: str = "eagle"
     chunk_size: int = 32
     cpu_units: int = 64
     num_gpu_blocks: int = 96
@@ -223,7 +234,7 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
         speculative_config=SpeculativeConfig(
             method=method,
             model=str(spec_dir),
-            num_speculative_tokens=2,
+            num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
         ),
@@ -300,6 +311,11 @@ class SimEngine:
         }
         self.block_size_of = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
         self.draft_names = {name for name in self.kv_caches if name not in TARGET_LAYERS}
+        # Tokens after p that the simulated drafter builds p's draft KV from: the
+        # simulator's own truth, which the connector's derived successor_tokens must match.
+        self.draft_successors = (
+            (MTP_LAYERS if setup.eagle_method == "mtp" else 1) if setup.eagle else 0
+        )
 
     @staticmethod
     def _unit_bytes(kv_cache_config: KVCacheConfig) -> int:
@@ -336,21 +352,17 @@ class SimEngine:
     # -------------------------------------------------------------------- step
 
     def _write_position(
-        self, request: Request, position: int, successor: int | None, layers: list[str]
+        self, request: Request, position: int, tokens: list[int], layers: list[str]
     ) -> None:
-        tokens = request.all_token_ids
+        """Write one position of `layers`; draft layers read `draft_successors`
+        tokens after it from `tokens` (the context, plus the sampled token once known)."""
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         for name in layers:
             tensor = self.kv_caches[name]
-            group = self.group_of[name]
-            block_size = self.block_size_of[group]
-            block = block_ids[group][position // block_size]
-            prefix = tuple(tokens[: position + 1])
-            if self.setup.eagle and name in self.draft_names:
-                prefix = (*prefix, successor)
-            value = kv_value(name, prefix)
-            pattern = value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4
-            tensor[block, :, position % block_size, :] = pattern.to(tensor.dtype)
+            block_size = self.block_size_of[self.group_of[name]]
+            block = block_ids[self.group_of[name]][position // block_size]
+            value = self.expected_position(name, tokens, position)
+            tensor[block, :, position % block_size, :] = value
 
     def read_kv_digest(self, req_id: str, num_target: int, num_draft: int) -> bytes:
         """What attention reads: the first `num_target` positions of every target
@@ -372,9 +384,10 @@ class SimEngine:
 
     def expected_position(self, name: str, tokens: list[int], position: int) -> torch.Tensor:
         tensor = self.kv_caches[name]
-        prefix = tuple(tokens[: position + 1])
-        if self.setup.eagle and name in self.draft_names:
-            prefix = (*prefix, tokens[position + 1])
+        end = position + 1
+        if name in self.draft_names:
+            end += self.draft_successors  # the tokens after p its draft KV is built from
+        prefix = tuple(tokens[:end])
         value = kv_value(name, prefix)
         return (value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4).to(tensor.dtype)
 
@@ -396,35 +409,32 @@ class SimEngine:
                 worker.wait_for_layer_load(name)
         target_layers = [name for name in self.kv_caches if name not in self.draft_names]
         draft_layers = [name for name in self.kv_caches if name in self.draft_names]
+        later = self.draft_successors
         # Positions computed in this step are written first, then the whole
         # context is read back (like attention) and decides the sampled token.
-        # An EAGLE drafter writes the last position's draft KV from the sampled
-        # token, so that position's draft KV is written after sampling, and read
-        # from the next step on.
+        # Draft KV at p needs the `later` tokens after p: it is written once they
+        # are known, so an EAGLE drafter (later = 1) writes the last position's
+        # draft KV from the sampled token, after sampling, and a multi-module
+        # MTP drafter (later = S) writes position len - S after each sample.
         sampled: dict[str, int] = {}
-        deferred: list[tuple[Request, int]] = []
+        deferred: list[tuple[Request, int, list[int]]] = []
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - num_tokens  # already advanced
-            tokens = request.all_token_ids
+            tokens = list(request.all_token_ids)
             end = start + num_tokens
+            num_draft = min(end, len(tokens) - later)  # leading positions with draft KV
             for position in range(start, end):
-                if position + 1 < len(tokens):
-                    self._write_position(
-                        request, position, tokens[position + 1], list(self.kv_caches)
-                    )
-                else:
-                    self._write_position(request, position, None, target_layers)
-                    if self.setup.eagle:
-                        deferred.append((request, position))
-                    else:
-                        self._write_position(request, position, None, draft_layers)
+                layers = draft_layers if position < num_draft else []
+                self._write_position(request, position, tokens, target_layers + layers)
             if end >= len(tokens):
-                num_draft = end - 1 if self.setup.eagle else end
                 digest = self.read_kv_digest(req_id, end, num_draft)
-                sampled[req_id] = next_token(list(tokens), digest)
-        for request, position in deferred:
-            self._write_position(request, position, sampled[request.request_id], draft_layers)
+                sampled[req_id] = next_token(tokens, digest)
+                position = len(tokens) - later  # its last successor is the sampled token
+                if later and 0 <= position < end:
+                    deferred.append((request, position, [*tokens, sampled[req_id]]))
+        for request, position, tokens in deferred:
+            self._write_position(request, position, tokens, draft_layers)
         worker.wait_for_save()
         finished_sending, finished_recving = worker.get_finished(sched_out.finished_req_ids)
         kv_out = KVConnectorOutput(
@@ -465,7 +475,10 @@ class SimEngine:
         for name, tensor in self.kv_caches.items():
             group = self.group_of[name]
             block_size = self.block_size_of[group]
-            for position in range(request.num_computed_tokens):
+            computed = request.num_computed_tokens
+            if name in self.draft_names:  # a draft position waits for its successors
+                computed = min(computed, len(tokens) - self.draft_successors)
+            for position in range(computed):
                 block = block_ids[group][position // block_size]
                 actual = tensor[block, :, position % block_size, :]
                 expected = self.expected_position(name, tokens, position)

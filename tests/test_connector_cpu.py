@@ -115,6 +115,23 @@ def test_eagle_successor_mismatch_recomputes_one_token(model_dirs: tuple[Path, P
     assert eng.mismatched_positions("x2") == []
 
 
+@pytest.mark.parametrize(("second", "hit"), [((11, 14), 3 * CHUNK - 1), ((12, 13), 3 * CHUNK - 2)])
+def test_mtp_successor_mismatch_recomputes_the_stale_positions(
+    model_dirs: tuple[Path, Path], second: tuple[int, int], hit: int
+) -> None:
+    """Multi-module MTP (S = 2): a successor differing at j recomputes S - j positions."""
+    eng = engine(model_dirs, eagle=True, eagle_method="mtp")
+    assert eng.scheduler.connector.scheduler.num_successors == 2
+    shared = prompt(23, 3 * CHUNK)
+    eng.add_request("x", [*shared, 11, 13, *prompt(24, 20)], max_tokens=2)
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    eng.add_request("y", [*shared, *second, *prompt(25, 20)], max_tokens=2)
+    eng.run_prefill("y")
+    assert eng.external_hits["y"] == hit
+    assert eng.mismatched_positions("y") == []
+
+
 def test_eagle_without_successor_check_would_serve_stale_draft_kv(
     model_dirs: tuple[Path, Path],
 ) -> None:

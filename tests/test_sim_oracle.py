@@ -52,6 +52,7 @@ SETUPS = [
     pytest.param(SimSetup(draft_layout="separate_group"), id="draft_model-separate"),
     pytest.param(SimSetup(eagle=True), id="eagle"),
     pytest.param(SimSetup(eagle=True, eagle_method="eagle3"), id="eagle3"),
+    pytest.param(SimSetup(eagle=True, eagle_method="mtp"), id="mtp"),
 ]
 
 
@@ -89,8 +90,9 @@ def test_one_wrong_restored_page_changes_the_outputs(
         (SimSetup(), "draft_model", 0),
         (SimSetup(eagle=True), "eagle", 1),
         (SimSetup(eagle=True, eagle_method="eagle3"), "eagle3", 1),
+        (SimSetup(eagle=True, eagle_method="mtp"), "mtp", 2),  # multi-module: S = 2 tokens
     ],
-    ids=["draft_model", "eagle", "eagle3"],
+    ids=["draft_model", "eagle", "eagle3", "mtp"],
 )
 def test_speculative_settings_are_derived_from_vllm_config(
     model_dirs: tuple[Path, Path], setup: SimSetup, method: str, successors: int
@@ -101,5 +103,23 @@ def test_speculative_settings_are_derived_from_vllm_config(
     extra = eng.vllm_config.kv_transfer_config.kv_connector_extra_config
     assert "successor_tokens" not in extra and "min_compute_tokens" not in extra
     sched = eng.scheduler.connector.scheduler
-    assert sched.num_successors == successors
+    assert sched.num_successors == successors == eng.draft_successors
     assert sched.min_compute_tokens == 2  # any drafter: vLLM 0.33 wastes a one-token first step
+
+
+def test_mtp_with_too_few_successors_would_serve_stale_draft_kv(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """Negative control: the simulated MTP drafter really reads two tokens ahead,
+    so pinning successor_tokens to EAGLE's 1 leaves one stale draft position."""
+    setup = SimSetup(eagle=True, eagle_method="mtp", extra_config={"successor_tokens": 1})
+    eng = SimEngine(*model_dirs, setup)
+    shared = prompt(41, 3 * CHUNK)
+    eng.add_request("x", [*shared, 11, 13, *prompt(42, 20)], max_tokens=1)
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    eng.add_request("y", [*shared, 11, 14, *prompt(43, 20)], max_tokens=1)
+    eng.run_prefill("y")
+    assert eng.external_hits["y"] == 3 * CHUNK
+    stale = eng.mismatched_positions("y")
+    assert stale and all(pos == 3 * CHUNK - 1 for _, pos in stale)
