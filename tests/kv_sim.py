@@ -2,11 +2,15 @@
 
 Everything vLLM-side is real: VllmConfig, KVCacheConfig from vLLM's own
 planner, KV tensors from vLLM's own allocator, the V1 Scheduler, Requests with
-real block hashers, and both halves of DraftOffloadConnector. Only the model
-forward is simulated, because no attention kernel runs here: each step writes,
-for every computed position, KV that is a deterministic function of the token
-prefix (and, for EAGLE-style draft layers, of the next token too). A restore
-is correct exactly when the KV in the blocks equals what this function gives.
+real block hashers, both halves of DraftOffloadConnector, and a real
+SpeculativeConfig (draft_model, EAGLE, EAGLE3 or multi-module MTP, from
+config-only directories), so the connector derives its successor and
+min-compute settings as it does in serving. Only the model forward is
+simulated, because no attention kernel runs here: each step writes, for every
+computed position, KV that is a deterministic function of the token prefix
+(and, for EAGLE-style draft layers, of the next token too; of the next S for
+S-module MTP). A restore is correct exactly when the KV in the blocks equals
+what this function gives.
 
 The simulated forward also reads the cache, as attention does: a sampled token
 depends on the bytes of every computed position of every layer, target and
