@@ -2,11 +2,22 @@
 
 Everything vLLM-side is real: VllmConfig, KVCacheConfig from vLLM's own
 planner, KV tensors from vLLM's own allocator, the V1 Scheduler, Requests with
-real block hashers, and both halves of DraftOffloadConnector. Only the model
-forward is simulated, because no attention kernel runs here: each step writes,
-for every computed position, KV that is a deterministic function of the token
-prefix (and, for EAGLE-style draft layers, of the next token too). A restore
-is correct exactly when the KV in the blocks equals what this function gives.
+real block hashers, both halves of DraftOffloadConnector, and a real
+SpeculativeConfig (draft_model, EAGLE, EAGLE3 or multi-module MTP, from
+config-only directories), so the connector derives its successor and
+min-compute settings as it does in serving. Only the model forward is
+simulated, because no attention kernel runs here: each step writes, for every
+computed position, KV that is a deterministic function of the token prefix
+(and, for EAGLE-style draft layers, of the next token too; of the next S for
+S-module MTP). A restore is correct exactly when the KV in the blocks equals
+what this function gives.
+
+The simulated forward also reads the cache, as attention does: a sampled token
+depends on the bytes of every computed position of every layer, target and
+draft, gathered from the request's own blocks. Wrong KV anywhere in the context
+therefore changes the outputs, so an output-equality assert checks what was
+restored and everything computed on top of it. (A real drafter's KV only moves
+acceptance; the simulator is stricter on purpose.)
 """
 
 from __future__ import annotations
@@ -83,12 +94,57 @@ def write_tiny_llama(path: Path, layers: int, heads: int, kv_heads: int, head_di
     return path
 
 
+EAGLE_ARCHITECTURES = {
+    "eagle": "EagleLlamaForCausalLM",
+    "eagle3": "Eagle3LlamaForCausalLM",
+    # vLLM rewrites a MiMo checkpoint into its MTP modules (MiMoMTPModel).
+    "mtp": "MiMoForCausalLM",
+}
+NUM_SPECULATIVE_TOKENS = 2
+MTP_LAYERS = NUM_SPECULATIVE_TOKENS  # multi-module MTP: one module per speculative token
+
+
+def write_eagle_head(draft_dir: Path, target_dir: Path, method: str) -> Path:
+    """A config-only EAGLE/EAGLE3/MTP drafter next to `draft_dir`, with its shape.
+
+    vLLM's SpeculativeConfig takes it as method "eagle"/"eagle3" (it wraps it
+    in its EAGLEConfig) or "mtp" (MiMo's multi-module MTP, S = MTP_LAYERS);
+    no weights are read. Written beside the draft so that a test that swaps the
+    draft directory swaps the drafter's identity too.
+    """
+    config = json.loads((draft_dir / "config.json").read_text())
+    target = json.loads((target_dir / "config.json").read_text())
+    config["architectures"] = [EAGLE_ARCHITECTURES[method]]
+    if method == "mtp":
+        config |= {"model_type": "qwen2", "num_nextn_predict_layers": MTP_LAYERS}
+    if method == "eagle3":
+        aux_ids = [0, 1, 2]  # vLLM's default ids collapse for a 2-layer target
+        config |= {
+            "draft_vocab_size": config["vocab_size"],
+            "target_hidden_size": target["hidden_size"],
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": aux_ids,
+                "use_aux_hidden_state": True,
+            },
+        }
+    path = draft_dir.parent / f"{draft_dir.name}-{method}"
+    path.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config)
+    file = path / "config.json"
+    if not file.exists() or file.read_text() != text:
+        file.write_text(text)
+    return path
+
+
 @dataclass
 class SimSetup:
     """Which KV geometry the simulated engine has."""
 
     draft_layout: str = "shared_group"  # or "separate_group"
     eagle: bool = False  # draft KV at p depends on token p+1
+    # The speculative method when `eagle`: "eagle", "eagle3" or "mtp" (multi-module, S = 2).
+    eagle_method: str = "eagle"
     chunk_size: int = 32
     cpu_units: int = 64
     num_gpu_blocks: int = 96
@@ -155,10 +211,14 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
         max_model_len=2048,
         skip_tokenizer_init=True,
     )
-    # Hit arithmetic in the tests assumes vLLM's own minimum of one computed token.
-    extra = {"chunk_size": setup.chunk_size, "min_compute_tokens": 1, **setup.extra_config}
+    # successor_tokens and min_compute_tokens are left to the connector, which
+    # derives them from the speculative config below (a test may still pin them).
+    extra = {"chunk_size": setup.chunk_size, **setup.extra_config}
     if setup.eagle:
-        extra.setdefault("successor_tokens", 1)
+        method = setup.eagle_method
+        spec_dir = write_eagle_head(draft_dir, model_dir, method)
+    else:
+        method, spec_dir = "draft_model", draft_dir
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -176,9 +236,9 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
         ),
         device_config=DeviceConfig("cpu"),
         speculative_config=SpeculativeConfig(
-            method="draft_model",
-            model=str(draft_dir),
-            num_speculative_tokens=2,
+            method=method,
+            model=str(spec_dir),
+            num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
         ),
@@ -198,9 +258,11 @@ def kv_value(layer: str, prefix: tuple[int, ...]) -> float:
     return (int.from_bytes(digest, "little") % 255 - 127) / 8.0
 
 
-def next_token(tokens: list[int]) -> int:
-    """The simulated model's greedy choice: a function of the context."""
-    return (sum(tokens[-3:]) * 31 + len(tokens) * 7) % (VOCAB - 10) + 10
+def next_token(tokens: list[int], kv_digest: bytes = b"") -> int:
+    """The simulated model's greedy choice: a function of the context and of
+    the KV read for it (`kv_digest`, see SimEngine.read_kv_digest)."""
+    mixed = hashlib.blake2b(repr((tokens[-3:], len(tokens))).encode() + kv_digest, digest_size=8)
+    return int.from_bytes(mixed.digest(), "little") % (VOCAB - 10) + 10
 
 
 class SimEngine:
@@ -253,6 +315,11 @@ class SimEngine:
         }
         self.block_size_of = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
         self.draft_names = {name for name in self.kv_caches if name not in TARGET_LAYERS}
+        # Tokens after p that the simulated drafter builds p's draft KV from: the
+        # simulator's own truth, which the connector's derived successor_tokens must match.
+        self.draft_successors = (
+            (MTP_LAYERS if setup.eagle_method == "mtp" else 1) if setup.eagle else 0
+        )
 
     @staticmethod
     def _unit_bytes(kv_cache_config: KVCacheConfig) -> int:
@@ -288,25 +355,43 @@ class SimEngine:
 
     # -------------------------------------------------------------------- step
 
-    def _write_position(self, request: Request, position: int, successor: int | None) -> None:
-        tokens = request.all_token_ids
+    def _write_position(
+        self, request: Request, position: int, tokens: list[int], layers: list[str]
+    ) -> None:
+        """Write one position of `layers`; draft layers read `draft_successors`
+        tokens after it from `tokens` (the context, plus the sampled token once known)."""
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        for name in layers:
+            tensor = self.kv_caches[name]
+            block_size = self.block_size_of[self.group_of[name]]
+            block = block_ids[self.group_of[name]][position // block_size]
+            value = self.expected_position(name, tokens, position)
+            tensor[block, :, position % block_size, :] = value
+
+    def read_kv_digest(self, req_id: str, num_target: int, num_draft: int) -> bytes:
+        """What attention reads: the first `num_target` positions of every target
+        layer and `num_draft` of every draft layer, as stored in the request's
+        blocks, folded into one digest (every byte counts)."""
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        digest = hashlib.blake2b(digest_size=16)
         for name, tensor in self.kv_caches.items():
+            count = num_draft if name in self.draft_names else num_target
+            if count <= 0:
+                continue
             group = self.group_of[name]
             block_size = self.block_size_of[group]
-            block = block_ids[group][position // block_size]
-            prefix = tuple(tokens[: position + 1])
-            if self.setup.eagle and name in self.draft_names:
-                prefix = (*prefix, successor)
-            value = kv_value(name, prefix)
-            pattern = value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4
-            tensor[block, :, position % block_size, :] = pattern.to(tensor.dtype)
+            blocks = torch.tensor(block_ids[group][: -(-count // block_size)], dtype=torch.long)
+            pages = tensor[blocks]  # [blocks, heads, block_size, head_size]: a gathered copy
+            rows = pages.transpose(1, 2).reshape(-1, pages.shape[1] * pages.shape[3])[:count]
+            digest.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.digest()
 
     def expected_position(self, name: str, tokens: list[int], position: int) -> torch.Tensor:
         tensor = self.kv_caches[name]
-        prefix = tuple(tokens[: position + 1])
-        if self.setup.eagle and name in self.draft_names:
-            prefix = (*prefix, tokens[position + 1])
+        end = position + 1
+        if name in self.draft_names:
+            end += self.draft_successors  # the tokens after p its draft KV is built from
+        prefix = tuple(tokens[:end])
         value = kv_value(name, prefix)
         return (value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4).to(tensor.dtype)
 
@@ -323,19 +408,37 @@ class SimEngine:
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)
         worker.start_load_kv(None)
+        if sched_out.num_scheduled_tokens:
+            for name in self.kv_caches:
+                worker.wait_for_layer_load(name)
+        target_layers = [name for name in self.kv_caches if name not in self.draft_names]
+        draft_layers = [name for name in self.kv_caches if name in self.draft_names]
+        later = self.draft_successors
+        # Positions computed in this step are written first, then the whole
+        # context is read back (like attention) and decides the sampled token.
+        # Draft KV at p needs the `later` tokens after p: it is written once they
+        # are known, so an EAGLE drafter (later = 1) writes the last position's
+        # draft KV from the sampled token, after sampling, and a multi-module
+        # MTP drafter (later = S) writes position len - S after each sample.
         sampled: dict[str, int] = {}
+        deferred: list[tuple[Request, int, list[int]]] = []
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - num_tokens  # already advanced
-            tokens = request.all_token_ids
+            tokens = list(request.all_token_ids)
             end = start + num_tokens
-            if end >= len(tokens):
-                sampled[req_id] = next_token(list(tokens))
+            num_draft = min(end, len(tokens) - later)  # leading positions with draft KV
             for position in range(start, end):
-                successor = tokens[position + 1] if position + 1 < len(tokens) else sampled[req_id]
-                for name in self.kv_caches:
-                    worker.wait_for_layer_load(name)
-                self._write_position(request, position, successor)
+                layers = draft_layers if position < num_draft else []
+                self._write_position(request, position, tokens, target_layers + layers)
+            if end >= len(tokens):
+                digest = self.read_kv_digest(req_id, end, num_draft)
+                sampled[req_id] = next_token(tokens, digest)
+                position = len(tokens) - later  # its last successor is the sampled token
+                if later and 0 <= position < end:
+                    deferred.append((request, position, [*tokens, sampled[req_id]]))
+        for request, position, tokens in deferred:
+            self._write_position(request, position, tokens, draft_layers)
         worker.wait_for_save()
         finished_sending, finished_recving = worker.get_finished(sched_out.finished_req_ids)
         kv_out = KVConnectorOutput(
@@ -376,7 +479,10 @@ class SimEngine:
         for name, tensor in self.kv_caches.items():
             group = self.group_of[name]
             block_size = self.block_size_of[group]
-            for position in range(request.num_computed_tokens):
+            computed = request.num_computed_tokens
+            if name in self.draft_names:  # a draft position waits for its successors
+                computed = min(computed, len(tokens) - self.draft_successors)
+            for position in range(computed):
                 block = block_ids[group][position // block_size]
                 actual = tensor[block, :, position % block_size, :]
                 expected = self.expected_position(name, tokens, position)

@@ -115,6 +115,23 @@ def test_eagle_successor_mismatch_recomputes_one_token(model_dirs: tuple[Path, P
     assert eng.mismatched_positions("x2") == []
 
 
+@pytest.mark.parametrize(("second", "hit"), [((11, 14), 3 * CHUNK - 1), ((12, 13), 3 * CHUNK - 2)])
+def test_mtp_successor_mismatch_recomputes_the_stale_positions(
+    model_dirs: tuple[Path, Path], second: tuple[int, int], hit: int
+) -> None:
+    """Multi-module MTP (S = 2): a successor differing at j recomputes S - j positions."""
+    eng = engine(model_dirs, eagle=True, eagle_method="mtp")
+    assert eng.scheduler.connector.scheduler.num_successors == 2
+    shared = prompt(23, 3 * CHUNK)
+    eng.add_request("x", [*shared, 11, 13, *prompt(24, 20)], max_tokens=2)
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    eng.add_request("y", [*shared, *second, *prompt(25, 20)], max_tokens=2)
+    eng.run_prefill("y")
+    assert eng.external_hits["y"] == hit
+    assert eng.mismatched_positions("y") == []
+
+
 def test_eagle_without_successor_check_would_serve_stale_draft_kv(
     model_dirs: tuple[Path, Path],
 ) -> None:
@@ -160,7 +177,9 @@ def test_budget_and_lru_under_many_requests(model_dirs: tuple[Path, Path]) -> No
         assert len(index_of(eng)) <= 6
     assert index_of(eng).num_evictions == 12 * 2 - 6
     eng.evict_gpu_kv()
-    for i, expected in ((11, 2 * CHUNK), (0, 0)):
+    # Under spec decode the derived min_compute_tokens (2) leaves one token of
+    # the second chunk to compute.
+    for i, expected in ((11, 2 * CHUNK - 1), (0, 0)):
         eng.add_request(f"again{i}", prompt(100 + i, 2 * CHUNK + 1), max_tokens=1)
         eng.run_prefill(f"again{i}")
         assert eng.external_hits[f"again{i}"] == expected
@@ -266,7 +285,7 @@ def test_acceptance_is_split_by_restored_prefix(model_dirs: tuple[Path, Path]) -
     # vLLM itself may observe more verify steps; the split must follow the request.
     assert published["drafts"] == {k: sum(m.histogram) for k, m in seen.items()}
     assert published["accepted"] == {"false": 3, "true": 4}
-    assert eng.external_hits["restored"] == 2 * CHUNK
+    assert eng.external_hits["restored"] == 2 * CHUNK - 1  # derived min_compute_tokens: 2
 
 
 def test_short_remainders_wait_for_all_loads_before_the_forward(
