@@ -30,6 +30,7 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.store_planner import plan_stores
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -286,34 +287,21 @@ class DraftOffloadScheduler:
             self.num_successors,
             self.config.store_decode,
         )
-        units: list[UnitId] = []
-        l3_units: list[tuple[int, bytes, tuple[int, ...]]] = []
-        host_pages: list[list[int]] = [[] for _ in self.layout.groups]
-        gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
+        empty: list[list[int]] = [[] for _ in self.layout.groups]
         if limit <= state.next_store_chunk or len(tokens) < self.config.min_store_tokens:
-            return units, host_pages, gpu_blocks, l3_units
-        keys = state.keys.extend(tokens)
-        for chunk in range(state.next_store_chunk, limit):
-            chunk_end = (chunk + 1) * self.chunk_size
-            successors = tuple(tokens[chunk_end : chunk_end + self.num_successors])
-            unit_id: UnitId = (keys[chunk], successors)
-            state.next_store_chunk = chunk + 1
-            if self.index.get(unit_id) is not None:
-                self.index.touch(unit_id)
-                continue
-            if self.index.ready_variants(keys[chunk]) and chunk_end + self.chunk_size > len(tokens):
-                # Another successor variant exists and this request has no
-                # further chunk to reuse behind it: a copy would buy one token.
-                continue
-            entry = self.index.reserve(unit_id)
-            if entry is None:
-                break  # every slot is storing or being loaded; try later chunks later
-            units.append(unit_id)
-            l3_units.append((entry.slot, keys[chunk], successors))
-            self.layout.add_chunk_pages(
-                host_pages, gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
-            )
-        return units, host_pages, gpu_blocks, l3_units
+            return [], empty, [list(g) for g in empty], []
+        plan = plan_stores(
+            self.index,
+            self.layout,
+            state.keys.extend(tokens),
+            tokens,
+            state.next_store_chunk,
+            limit,
+            self.num_successors,
+            block_ids,
+        )
+        state.next_store_chunk = plan.next_chunk
+        return plan.units, plan.host_pages, plan.gpu_blocks, plan.l3_units
 
     def _store_job(
         self,

@@ -1,0 +1,73 @@
+"""Which of a request's chunks to store this step, and into which host slots.
+
+A prefix match walks chunks from the start and stops at the first chunk it
+cannot find, so a stored chunk is reachable only if every chunk before it is in
+the tier too. The planner therefore walks a request's chunks in order and stops
+at the first one it cannot store now (no free slot, or a variant it should not
+duplicate yet); that chunk is retried at a later step, and no later chunk is
+stored before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
+from vllm_draft_offload.geometry import UnitLayout
+
+
+@dataclass
+class StorePlan:
+    """New units of one store job, and the copies that fill their slots."""
+
+    # Chunks below this are stored, in flight or present; the next plan starts here.
+    next_chunk: int
+    units: list[UnitId] = field(default_factory=list)
+    host_pages: list[list[int]] = field(default_factory=list)
+    gpu_blocks: list[list[int]] = field(default_factory=list)
+    # (slot, chunk key, successors) of each new unit, for the L3 write.
+    l3_units: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
+
+
+def plan_stores(
+    index: CpuTierIndex,
+    layout: UnitLayout,
+    keys: Sequence[bytes],
+    tokens: Sequence[int],
+    first_chunk: int,
+    limit: int,
+    num_successors: int,
+    block_ids: tuple[list[int], ...],
+) -> StorePlan:
+    """Reserve slots for chunks [first_chunk, limit) in order, stopping at the first
+    chunk that cannot be stored now."""
+    chunk_size = layout.chunk_size
+    plan = StorePlan(
+        first_chunk,
+        host_pages=[[] for _ in layout.groups],
+        gpu_blocks=[[] for _ in layout.groups],
+    )
+    for chunk in range(first_chunk, limit):
+        chunk_end = (chunk + 1) * chunk_size
+        successors = tuple(tokens[chunk_end : chunk_end + num_successors])
+        unit_id: UnitId = (keys[chunk], successors)
+        if index.get(unit_id) is not None:
+            index.touch(unit_id)
+            plan.next_chunk = chunk + 1
+            continue
+        if index.ready_variants(keys[chunk]) and chunk_end + chunk_size > len(tokens):
+            # Another successor variant exists and this request has no further
+            # chunk to reuse behind it (yet): a copy would buy one token. Wait:
+            # once the request grows a further chunk, this one is worth storing.
+            break
+        entry = index.reserve(unit_id)
+        if entry is None:
+            break  # every slot is storing or being loaded: retry this chunk later
+        plan.next_chunk = chunk + 1
+        plan.units.append(unit_id)
+        plan.l3_units.append((entry.slot, keys[chunk], successors))
+        layout.add_chunk_pages(
+            plan.host_pages, plan.gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
+        )
+    return plan
