@@ -62,3 +62,70 @@ def test_removed_pinned_unit_keeps_its_slot_until_unpinned() -> None:
     index.unpin(unit)
     entry = index.reserve(other)
     assert entry is not None and entry.slot == 0
+
+
+def _chunk_units(sched: DraftOffloadScheduler, tokens: list[int]) -> list[tuple[bytes, tuple]]:
+    """Unit ids of a draft_model request's chunks (no successor tokens)."""
+    from vllm_draft_offload.chunk_keys import ChunkKeyChain
+
+    return [(key, ()) for key in ChunkKeyChain(sched.salt, CHUNK).extend(tokens)]
+
+
+def test_no_store_on_top_of_a_failed_load(model_dirs: tuple[Path, Path]) -> None:
+    """1.4: when a request's load fails, the chunks it computes in the same step
+    (on top of a prefix that was not restored) are not stored; they are stored
+    once vLLM has recomputed them."""
+    eng = engine(model_dirs, extra_config={"audit": True})
+    sched = sched_of(eng)
+    tokens = prompt(3, 4 * CHUNK + 5)
+    eng.add_request("a", tokens[: 2 * CHUNK + 3], max_tokens=1)
+    eng.run_until_done()
+    units = _chunk_units(sched, tokens)
+    first = sched.index.get(units[0])
+    assert first is not None and first.ready and sched.index.get(units[2]) is None
+    worker = eng.worker.worker
+    worker.pool.unit_view(first.slot)[:64] ^= 0x55  # the load's audit refuses it
+    eng.evict_gpu_kv()
+
+    eng.add_request("b", tokens, max_tokens=4)
+    eng.step()  # loads chunks 0-1 (fails), computes chunks 2-3 on top of them
+    assert eng.load_metas, "the lookup found chunks 0-1"
+    for unit_id in units[2:4]:
+        entry = sched.index.get(unit_id)
+        assert entry is None or not entry.ready, "KV computed on a failed load was stored"
+    assert eng.take_published()["fallbacks"]["store_after_load_failure"] == 1
+    eng.run_until_done()
+
+    eng.evict_gpu_kv()
+    eng.add_request("c", tokens, max_tokens=1)
+    eng.run_prefill("c")
+    assert eng.external_hits["c"] == 4 * CHUNK
+    assert eng.mismatched_positions("c") == []
+
+
+def test_store_descriptor_error_fails_only_that_job(model_dirs: tuple[Path, Path]) -> None:
+    """1.7: a store whose copy plan cannot be built is dropped and counted; the
+    engine keeps serving and the unit it reserved is never shown."""
+    eng = engine(model_dirs)
+    sched = sched_of(eng)
+    build = sched.build_connector_meta
+    broken: list[int] = []
+
+    def build_with_a_bad_store(scheduler_output):  # fault injection: a corrupt plan
+        meta = build(scheduler_output)
+        for job in meta.stores:
+            if job.req_id == "a" and not broken:
+                job.gpu_blocks[0][0] = 10**6  # no such GPU block
+                broken.append(job.job_id)
+        return meta
+
+    sched.build_connector_meta = build_with_a_bad_store
+    tokens = prompt(4, 2 * CHUNK + 3)
+    eng.add_request("a", tokens, max_tokens=3)
+    eng.run_until_done()
+    assert broken
+    assert eng.take_published()["fallbacks"]["store_error"] == 1
+    assert len(eng.outputs["a"]) == 3
+    units = _chunk_units(sched, tokens)
+    assert sched.index.get(units[0]) is None  # dropped, not committed with junk
+    assert sched.index.num_used_slots == len(sched.index)

@@ -22,7 +22,6 @@ from vllm_draft_offload.hit_logic import (
     StoredUnitView,
     common_prefix_length,
     match_prefix,
-    storable_chunk_limit,
 )
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
@@ -30,7 +29,7 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
-from vllm_draft_offload.store_planner import plan_stores
+from vllm_draft_offload.store_planner import plan_request_stores
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -67,6 +66,8 @@ class JobRecord:
     failed: bool = False
     cause: str | None = None
     successors: list[int] | None = None
+    # Store only: the chunk its plan started at; a failed store is retried from here.
+    first_chunk: int = 0
 
 
 class DraftOffloadScheduler:
@@ -272,37 +273,6 @@ class DraftOffloadScheduler:
 
     # ------------------------------------------------------------------ stores
 
-    def _plan_stores(
-        self, state: RequestState, computed_after_step: int, block_ids: tuple[list[int], ...]
-    ) -> tuple[
-        list[UnitId], list[list[int]], list[list[int]], list[tuple[int, bytes, tuple[int, ...]]]
-    ]:
-        request = state.request
-        tokens = request.all_token_ids
-        limit = storable_chunk_limit(
-            len(tokens),
-            computed_after_step,
-            request.num_prompt_tokens,
-            self.chunk_size,
-            self.num_successors,
-            self.config.store_decode,
-        )
-        empty: list[list[int]] = [[] for _ in self.layout.groups]
-        if limit <= state.next_store_chunk or len(tokens) < self.config.min_store_tokens:
-            return [], empty, [list(g) for g in empty], []
-        plan = plan_stores(
-            self.index,
-            self.layout,
-            state.keys.extend(tokens),
-            tokens,
-            state.next_store_chunk,
-            limit,
-            self.num_successors,
-            block_ids,
-        )
-        state.next_store_chunk = plan.next_chunk
-        return plan.units, plan.host_pages, plan.gpu_blocks, plan.l3_units
-
     def _store_job(
         self,
         state: RequestState,
@@ -310,26 +280,39 @@ class DraftOffloadScheduler:
         block_ids: tuple[list[int], ...],
         finishing: bool,
     ) -> TransferJob | None:
-        units, host_pages, gpu_blocks, l3_units = self._plan_stores(
-            state, computed_after_step, block_ids
+        plan = plan_request_stores(
+            self.index,
+            self.layout,
+            state.keys,
+            state.request,
+            state.next_store_chunk,
+            computed_after_step,
+            self.num_successors,
+            self.config,
+            block_ids,
         )
+        state.next_store_chunk = plan.next_chunk
+        units = plan.units
         if not units and not (finishing and state.inflight_jobs):
             return None
         job = TransferJob(
             next(self._job_ids),
             state.request.request_id,
             "store",
-            host_pages,
-            gpu_blocks,
+            plan.host_pages,
+            plan.gpu_blocks,
             finishing=finishing,
-            l3_units=l3_units if self.l3 is not None else [],
+            l3_units=plan.l3_units if self.l3 is not None else [],
         )
         if job.l3_units:
             # Not evictable until every worker has copied it out for its L3 write.
             for unit_id in units:
                 self.index.pin(unit_id)
             self._snapshot_pins[job.job_id] = [units, 0]
-        self._add_job(job.job_id, JobRecord(state.request.request_id, "store", units))
+        self._add_job(
+            job.job_id,
+            JobRecord(state.request.request_id, "store", units, first_chunk=plan.first_chunk),
+        )
         state.inflight_jobs.add(job.job_id)
         return job
 
@@ -449,6 +432,8 @@ class DraftOffloadScheduler:
         state = self._requests.get(record.req_id)
         if state is not None:
             state.inflight_jobs.discard(job_id)
+            if record.failed:
+                self._after_failure(state, job_id, record)
         for unit_id in record.units:
             if record.direction == "load":
                 self.index.unpin(unit_id)
@@ -459,6 +444,21 @@ class DraftOffloadScheduler:
                 self.index.remove(unit_id)
             else:
                 self.index.commit(unit_id)
+
+    def _after_failure(self, state: RequestState, job_id: int, record: JobRecord) -> None:
+        if record.direction == "load":
+            # Stores of this request issued with or after the load hold KV computed on
+            # top of the prefix that failed to load (workers refuse those of the same
+            # step; with async scheduling later ones may already run): never publish.
+            for other_id in state.inflight_jobs:
+                other = self._jobs.get(other_id)
+                if other is not None and other.direction == "store" and other_id > job_id:
+                    other.failed = True
+                    other.cause = other.cause or "store_after_load_failure"
+        elif record.direction == "store" and record.cause != "store_error":
+            # Retry the chunks once their KV is (re)computed, so no later chunk is
+            # stored past a hole. A copy plan that cannot be built would fail again.
+            state.next_store_chunk = min(state.next_store_chunk, record.first_chunk)
 
     def has_inflight_jobs(self) -> bool:
         return bool(self._jobs)

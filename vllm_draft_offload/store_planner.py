@@ -12,9 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from vllm_draft_offload.chunk_keys import ChunkKeyChain
+from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.geometry import UnitLayout
+from vllm_draft_offload.hit_logic import storable_chunk_limit
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
 @dataclass
@@ -23,6 +30,8 @@ class StorePlan:
 
     # Chunks below this are stored, in flight or present; the next plan starts here.
     next_chunk: int
+    # The chunk this plan started at: a failed store job is retried from here.
+    first_chunk: int = 0
     units: list[UnitId] = field(default_factory=list)
     host_pages: list[list[int]] = field(default_factory=list)
     gpu_blocks: list[list[int]] = field(default_factory=list)
@@ -44,6 +53,7 @@ def plan_stores(
     chunk that cannot be stored now."""
     chunk_size = layout.chunk_size
     plan = StorePlan(
+        first_chunk,
         first_chunk,
         host_pages=[[] for _ in layout.groups],
         gpu_blocks=[[] for _ in layout.groups],
@@ -71,3 +81,40 @@ def plan_stores(
             plan.host_pages, plan.gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
         )
     return plan
+
+
+def plan_request_stores(
+    index: CpuTierIndex,
+    layout: UnitLayout,
+    keys: ChunkKeyChain,
+    request: Request,
+    next_chunk: int,
+    computed_after_step: int,
+    num_successors: int,
+    config: DraftOffloadConfig,
+    block_ids: tuple[list[int], ...],
+) -> StorePlan:
+    """Store plan of one request for this step: chunks from `next_chunk` whose KV is
+    complete by the end of the step and whose successor tokens are known."""
+    tokens = request.all_token_ids
+    limit = storable_chunk_limit(
+        len(tokens),
+        computed_after_step,
+        request.num_prompt_tokens,
+        layout.chunk_size,
+        num_successors,
+        config.store_decode,
+    )
+    # vLLM lowers num_computed_tokens when a load fails (recompute policy): chunks
+    # past it are recomputed, and only what is recomputed may be stored.
+    next_chunk = min(next_chunk, request.num_computed_tokens // layout.chunk_size)
+    if limit <= next_chunk or len(tokens) < config.min_store_tokens:
+        return StorePlan(
+            next_chunk,
+            next_chunk,
+            host_pages=[[] for _ in layout.groups],
+            gpu_blocks=[[] for _ in layout.groups],
+        )
+    return plan_stores(
+        index, layout, keys.extend(tokens), tokens, next_chunk, limit, num_successors, block_ids
+    )
