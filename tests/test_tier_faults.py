@@ -129,3 +129,46 @@ def test_store_descriptor_error_fails_only_that_job(model_dirs: tuple[Path, Path
     units = _chunk_units(sched, tokens)
     assert sched.index.get(units[0]) is None  # dropped, not committed with junk
     assert sched.index.num_used_slots == len(sched.index)
+
+
+def test_reset_drops_the_cpu_tier_and_in_flight_stores(model_dirs: tuple[Path, Path]) -> None:
+    """1.8: after reset_prefix_cache(reset_connector=True) nothing stored before it,
+    nor anything a store in flight at that moment writes, is served from the CPU tier."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
+
+    eng = engine(model_dirs)
+    sched = sched_of(eng)
+    old = prompt(5, 2 * CHUNK + 3)
+    eng.add_request("old", old, max_tokens=1)
+    eng.run_until_done()
+    assert len(sched.index) == 2
+
+    # A store in flight at the reset: with two workers, the simulated one's report
+    # is only half of what commits it.
+    sched.world_size = 2
+    tokens = prompt(6, 2 * CHUNK + 3)
+    eng.add_request("a", tokens, max_tokens=4)
+    store_ids = [job.job_id for job in eng.step().kv_connector_metadata.stores]
+    assert store_ids and sched.index.num_used_slots == 4
+    assert eng.scheduler.reset_prefix_cache(reset_connector=True) is False  # "a" runs
+    assert len(sched.index) == 0
+    assert sched.index.num_used_slots == 2  # the in-flight stores still write theirs
+    other = DraftOffloadWorkerMetadata(completed_jobs=dict.fromkeys(store_ids, 1))
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=other))
+    assert len(sched.index) == 0, "a store in flight at the reset became visible"
+    assert sched.index.num_used_slots == 0
+    request = eng.scheduler.requests["a"]
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+
+    # Storing goes on after the reset: "a" stores its chunks again from its own KV.
+    sched.world_size = 1
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    eng.add_request("old2", old, max_tokens=1)
+    eng.add_request("a2", tokens, max_tokens=1)
+    eng.run_prefill("a2")
+    assert eng.external_hits["old2"] == 0
+    assert eng.external_hits["a2"] == 2 * CHUNK
+    assert eng.mismatched_positions("a2") == []

@@ -487,7 +487,16 @@ class DraftOffloadScheduler:
         )
 
     def reset_cache(self) -> int:
-        return self.index.clear_unpinned()
+        """Drop the CPU tier; what stores and fetches in flight write never shows.
+        Storage is shared and survives restarts: kept (see cache_generation)."""
+        dropped = self.index.clear_unpinned()
+        for state in self._requests.values():
+            # Their earlier chunks are gone: store them again rather than leave a hole.
+            state.next_store_chunk = 0
+        reset_l3 = getattr(self.l3, "reset", None)
+        if reset_l3 is not None:
+            reset_l3()
+        return dropped
 
     def restored_tokens(self, req_id: str) -> int:
         state = self._requests.get(req_id)
