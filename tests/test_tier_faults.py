@@ -172,3 +172,55 @@ def test_reset_drops_the_cpu_tier_and_in_flight_stores(model_dirs: tuple[Path, P
     assert eng.external_hits["old2"] == 0
     assert eng.external_hits["a2"] == 2 * CHUNK
     assert eng.mismatched_positions("a2") == []
+
+
+def test_reset_during_a_recompute_audit_leaks_no_slot(model_dirs: tuple[Path, Path]) -> None:
+    """Units an audited request pinned and a reset dropped are freed when the audit
+    skips them: a dropped unit keeps its slot only while something pins it."""
+    eng = engine(model_dirs, extra_config={"audit_recompute_fraction": 1.0})
+    sched = sched_of(eng)
+    tokens = prompt(7, 20 * CHUNK + 3)  # longer than one step's 512-token budget
+    eng.add_request("a", tokens, max_tokens=1)
+    eng.run_until_done()
+    assert len(sched.index) == 20
+    eng.evict_gpu_kv()
+    eng.add_request("b", tokens, max_tokens=1)
+    eng.step()  # diverted: recomputes what fits in a step, pins the chunks after it
+    pinned = sum(entry.pins > 0 for entry in sched.index)
+    assert pinned >= 4
+    sched.reset_cache()
+    assert sched.index.num_doomed == pinned
+    eng.run_until_done()
+    assert sched.index.num_doomed == 0
+    assert sched.index.num_used_slots == len(sched.index)
+
+
+def test_load_failed_on_one_rank_publishes_no_store_of_that_request(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """1.4 with TP > 1 (or async scheduling): one rank's load failed, another ran the
+    request's stores of that step. Under tensor parallelism every rank's new KV
+    depends on every rank's prefix, so none of those stores may become visible."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
+
+    eng = engine(model_dirs)
+    sched = sched_of(eng)
+    tokens = prompt(8, 4 * CHUNK + 5)
+    eng.add_request("a", tokens[: 2 * CHUNK + 3], max_tokens=1)
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    sched.world_size = 2
+    eng.add_request("b", tokens, max_tokens=4)
+    meta = eng.step().kv_connector_metadata  # the simulated rank: load and stores ran
+    (load,) = [job.job_id for job in meta.loads]
+    stores = [job.job_id for job in meta.stores]
+    assert stores and all(store > load for store in stores)
+    other_rank = DraftOffloadWorkerMetadata(
+        failed_jobs={load: 1}, completed_jobs=dict.fromkeys(stores, 1)
+    )
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=other_rank))
+    units = _chunk_units(sched, tokens)
+    assert [sched.index.get(unit) for unit in units] == [None] * 4
+    assert sched.index.num_used_slots == 0
