@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from kv_sim import SimEngine, SimSetup, prompt
 
 from vllm_draft_offload.cpu_index import CpuTierIndex
@@ -103,10 +104,17 @@ def test_no_store_on_top_of_a_failed_load(model_dirs: tuple[Path, Path]) -> None
     assert eng.mismatched_positions("c") == []
 
 
-def test_store_descriptor_error_fails_only_that_job(model_dirs: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("l3", [False, True], ids=["cpu", "cpu+l3"])
+def test_store_descriptor_error_fails_only_that_job(
+    model_dirs: tuple[Path, Path], tmp_path: Path, l3: bool
+) -> None:
     """1.7: a store whose copy plan cannot be built is dropped and counted; the
-    engine keeps serving and the unit it reserved is never shown."""
-    eng = engine(model_dirs)
+    engine keeps serving, the unit it reserved is never shown, and its slot (pinned
+    for an L3 copy that will never be taken) is freed."""
+    extra: dict[str, object] = {}
+    if l3:
+        extra = {"l3": {"enabled": True}, "lmcache.remote_url": f"fs://{tmp_path / 'l3'}"}
+    eng = engine(model_dirs, extra_config=extra)
     sched = sched_of(eng)
     build = sched.build_connector_meta
     broken: list[int] = []
@@ -128,7 +136,12 @@ def test_store_descriptor_error_fails_only_that_job(model_dirs: tuple[Path, Path
     assert len(eng.outputs["a"]) == 3
     units = _chunk_units(sched, tokens)
     assert sched.index.get(units[0]) is None  # dropped, not committed with junk
+    assert sched.index.num_doomed == 0
     assert sched.index.num_used_slots == len(sched.index)
+    if l3:
+        eng.worker.worker.l3.flush(10)
+        eng.step()  # report the other units' L3 snapshots
+    assert all(entry.pins == 0 for entry in sched.index)
 
 
 def test_reset_drops_the_cpu_tier_and_in_flight_stores(model_dirs: tuple[Path, Path]) -> None:
