@@ -237,3 +237,35 @@ def test_load_failed_on_one_rank_publishes_no_store_of_that_request(
     units = _chunk_units(sched, tokens)
     assert [sched.index.get(unit) for unit in units] == [None] * 4
     assert sched.index.num_used_slots == 0
+
+
+def test_no_store_on_blocks_shared_with_a_failed_load(model_dirs: tuple[Path, Path]) -> None:
+    """1.4 across requests: "x" reuses, through vLLM's prefix cache, the blocks "r" is
+    loading in the same step. r's load fails, so x computed on a wrong prefix: x's
+    stores of that step are dropped too, and stored again once recomputed."""
+    eng = engine(model_dirs, extra_config={"audit": True})
+    sched = sched_of(eng)
+    shared = prompt(9, 2 * CHUNK)
+    eng.add_request("a", [*shared, 5, 6, 7], max_tokens=1)
+    eng.run_until_done()
+    first = next(iter(sched.index))
+    eng.worker.worker.pool.unit_view(first.slot)[:64] ^= 0x55  # r's load fails its audit
+    eng.evict_gpu_kv()
+
+    x_tokens = [*shared, *prompt(11, 2 * CHUNK + 5)]
+    eng.add_request("r", [*shared, *prompt(10, 2 * CHUNK + 5)], max_tokens=2)
+    eng.add_request("x", x_tokens, max_tokens=2)
+    meta = eng.step().kv_connector_metadata
+    assert [job.req_id for job in meta.loads] == ["r"]  # x shares r's blocks instead
+    assert any(job.req_id == "x" for job in meta.stores)
+    x_units = _chunk_units(sched, x_tokens)
+    for unit_id in x_units[2:4]:
+        entry = sched.index.get(unit_id)
+        assert entry is None or not entry.ready, "KV computed on a failed load was stored"
+    eng.run_until_done()
+
+    eng.evict_gpu_kv()
+    eng.add_request("x2", x_tokens, max_tokens=1)
+    eng.run_prefill("x2")
+    assert eng.external_hits["x2"] == 4 * CHUNK
+    assert eng.mismatched_positions("x2") == []

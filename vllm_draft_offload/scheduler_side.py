@@ -29,7 +29,7 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
-from vllm_draft_offload.store_planner import plan_request_stores
+from vllm_draft_offload.store_planner import blocks_being_loaded, loads_read_by, plan_request_stores
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -68,6 +68,7 @@ class JobRecord:
     successors: list[int] | None = None
     # Store only: the chunk its plan started at; a failed store is retried from here.
     first_chunk: int = 0
+    after_loads: tuple[int, ...] = ()  # store only: TransferJob.after_loads
 
 
 class DraftOffloadScheduler:
@@ -330,6 +331,7 @@ class DraftOffloadScheduler:
         )
         self._pending_loads, self._pending_finish_stores = [], []
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        loading = blocks_being_loaded(meta.loads)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
@@ -338,6 +340,8 @@ class DraftOffloadScheduler:
             block_ids = self._kv_cache_manager.get_block_ids(req_id)
             job = self._store_job(state, computed_after, block_ids, finishing=False)
             if job is not None:
+                job.after_loads = loads_read_by(self.layout, block_ids, loading)
+                self._jobs[job.job_id].after_loads = tuple(job.after_loads)
                 meta.stores.append(job)
             meta.compares += self.audit.plan(state.request, computed_after, block_ids)
         preempted = scheduler_output.preempted_req_ids or set()
@@ -447,17 +451,17 @@ class DraftOffloadScheduler:
 
     def _after_failure(self, state: RequestState, job_id: int, record: JobRecord) -> None:
         if record.direction == "load":
-            # Stores of this request issued with or after the load hold KV computed on
-            # top of the prefix that failed to load (workers refuse those of the same
-            # step; with async scheduling later ones may already run): never publish.
-            for other_id in state.inflight_jobs:
-                other = self._jobs.get(other_id)
-                if other is not None and other.direction == "store" and other_id > job_id:
+            # Stores computed on the failed blocks (same step: workers refuse them too;
+            # this request's later ones under async scheduling) are never published.
+            for other_id, other in self._jobs.items():
+                if other.direction == "store" and (
+                    job_id in other.after_loads
+                    or (other_id > job_id and other.req_id == record.req_id)
+                ):
                     other.failed = True
                     other.cause = other.cause or "store_after_load_failure"
         elif record.direction == "store" and record.cause != "store_error":
-            # Retry the chunks once their KV is (re)computed, so no later chunk is
-            # stored past a hole. A copy plan that cannot be built would fail again.
+            # Retry once recomputed (no hole); a bad copy plan would only fail again.
             state.next_store_chunk = min(state.next_store_chunk, record.first_chunk)
 
     def has_inflight_jobs(self) -> bool:
@@ -491,10 +495,8 @@ class DraftOffloadScheduler:
         Storage is shared and survives restarts: kept (see cache_generation)."""
         dropped = self.index.clear_unpinned()
         for state in self._requests.values():
-            # Their earlier chunks are gone: store them again rather than leave a hole.
-            state.next_store_chunk = 0
-        reset_l3 = getattr(self.l3, "reset", None)
-        if reset_l3 is not None:
+            state.next_store_chunk = 0  # store their chunks again: no hole
+        if (reset_l3 := getattr(self.l3, "reset", None)) is not None:
             reset_l3()
         return dropped
 

@@ -19,6 +19,7 @@ from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.hit_logic import storable_chunk_limit
+from vllm_draft_offload.metadata import TransferJob
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -117,4 +118,33 @@ def plan_request_stores(
         )
     return plan_stores(
         index, layout, keys.extend(tokens), tokens, next_chunk, limit, num_successors, block_ids
+    )
+
+
+def blocks_being_loaded(loads: Sequence[TransferJob]) -> dict[tuple[int, int], int]:
+    """(layout group, GPU block) -> the load job of this step that writes it."""
+    loading = {}
+    for job in loads:
+        for group, blocks in enumerate(job.gpu_blocks):
+            # Error blocks (units gone since the lookup) are flat: vLLM recomputes
+            # them, so they count as being written in every group.
+            for block in (*blocks, *job.error_blocks):
+                loading[(group, block)] = job.job_id
+    return loading
+
+
+def loads_read_by(
+    layout: UnitLayout, block_ids: tuple[list[int], ...], loading: dict[tuple[int, int], int]
+) -> list[int]:
+    """Load jobs of this step writing blocks of a request's block table: the KV it
+    computes this step, and so what it stores, depends on them."""
+    if not loading:
+        return []
+    return sorted(
+        {
+            job_id
+            for g, group in enumerate(layout.groups)
+            for block in block_ids[group.group_id]
+            if (job_id := loading.get((g, block))) is not None
+        }
     )

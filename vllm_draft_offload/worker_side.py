@@ -103,9 +103,10 @@ class DraftOffloadWorker:
         self._finishing_reqs: set[str] = set()
         self._worker_meta = DraftOffloadWorkerMetadata()
         self._load_error_blocks: set[int] = set()
-        # Requests with a load that failed (in part or whole) this step: whatever
-        # they compute this step sits on a prefix that was not restored.
+        # Requests, and load jobs, with a load that failed (in part or whole) this
+        # step: KV computed on them this step sits on a prefix that was not restored.
         self._failed_load_reqs: set[str] = set()
+        self._failed_load_jobs: set[int] = set()
         self.stats = DraftOffloadStats()
         # Audit mode: slot -> per-layer checksums taken when its store completed.
         self._slot_checksums: dict[int, list[str]] = {}
@@ -199,6 +200,7 @@ class DraftOffloadWorker:
                 self.stats.record_fallback("load_error")
                 self._load_error_blocks.update(job.error_blocks)
                 self._failed_load_reqs.add(job.req_id)
+                self._failed_load_jobs.add(job.job_id)
             try:
                 copies = {
                     region.slot.name: self._job_descriptors(region, [job], to_host=False)
@@ -257,11 +259,12 @@ class DraftOffloadWorker:
         self.stats.record_fallback(cause)
         self._worker_meta.failed_jobs[job.job_id] = 1
         self._failed_load_reqs.add(job.req_id)
+        self._failed_load_jobs.add(job.job_id)
         for blocks in job.gpu_blocks:
             self._load_error_blocks.update(blocks)
 
     def start_load_kv(self, meta: DraftOffloadMetadata) -> None:
-        self._failed_load_reqs = set()
+        self._failed_load_reqs, self._failed_load_jobs = set(), set()
         for fetch in meta.fetches:
             if self.l3 is None:
                 self._worker_meta.failed_jobs[fetch.job_id] = 1
@@ -350,12 +353,13 @@ class DraftOffloadWorker:
         if self._on_device:
             assert self._store_stream is not None
             self._store_stream.wait_stream(torch.cuda.current_stream())
-        failed_loads, self._failed_load_reqs = self._failed_load_reqs, set()
+        failed_reqs, self._failed_load_reqs = self._failed_load_reqs, set()
+        failed_jobs, self._failed_load_jobs = self._failed_load_jobs, set()
         for job in meta.stores:
-            if job.req_id in failed_loads:
+            if job.req_id in failed_reqs or failed_jobs.intersection(job.after_loads):
                 logger.warning(
-                    "DraftOffloadConnector: store job %d dropped: request %s's load failed "
-                    "this step, so its new KV sits on a prefix that was not restored",
+                    "DraftOffloadConnector: store job %d dropped: a load request %s's KV "
+                    "depends on failed this step, so its new KV sits on a wrong prefix",
                     job.job_id,
                     job.req_id,
                 )
