@@ -215,7 +215,10 @@ class RecomputeAudit:
             unit_id = targets.pop(chunk)
             entry = self.index.get(unit_id)
             if entry is None or not entry.ready:
-                continue  # dropped meanwhile (a failed load elsewhere); nothing to audit
+                # Dropped meanwhile (a failed load elsewhere, a reset): nothing to audit,
+                # but its slot stays in use until this pin goes.
+                self.index.unpin(unit_id)
+                continue
             host_pages: list[list[int]] = [[] for _ in self.layout.groups]
             gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
             self.layout.add_chunk_pages(

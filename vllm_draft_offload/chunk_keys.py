@@ -34,7 +34,9 @@ def request_salt(base_salt: bytes, lora_name: str | None, cache_salt: str | None
     """Per-request root: LoRA adapters and cache salts isolate KV like vLLM's own cache."""
     if lora_name is None and cache_salt is None:
         return base_salt
-    return _digest(base_salt, f"lora={lora_name}|salt={cache_salt}".encode())
+    # JSON of the pair: a LoRA named "None" or a name holding a separator cannot
+    # collide with another pair.
+    return _digest(base_salt, json.dumps([lora_name, cache_salt]).encode())
 
 
 @dataclass

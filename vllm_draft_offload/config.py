@@ -69,6 +69,9 @@ class DraftOffloadConfig(BaseModel):
     # layer's KV dtype (audit.DEFAULT_TOLERANCE).
     audit_tolerance: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     l3: L3Config = Field(default_factory=L3Config)
+    # Mixed into every key: bumping it makes everything stored under another
+    # generation unreachable (storage is shared and survives resets and restarts).
+    cache_generation: int = Field(default=0, ge=0)
 
     def check_budget(self, unit_bytes: int) -> None:
         """The budget must hold one unit, which only the engine's KV geometry tells."""

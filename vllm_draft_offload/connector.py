@@ -92,6 +92,8 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             identity = {
                 "target": target_identity(vllm_config),
                 "drafter": drafter_identity(vllm_config),
+                # Bumped by operators to make everything stored before unreachable.
+                "cache_generation": self.config.cache_generation,
             }
             parallel = vllm_config.parallel_config
             self._scheduler = DraftOffloadScheduler(

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vllm_draft_offload.config import ConfigError
 from vllm_draft_offload.hit_logic import pages_for_chunk
@@ -230,6 +232,65 @@ def default_min_compute_tokens(vllm_config: VllmConfig) -> int:
     return 2 if vllm_config.speculative_config is not None else 1
 
 
+# Files whose content decides the KV a model computes.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+CONFIG_FILES = ("config.json", "params.json")
+# Bytes read from each weight file: its head (the safetensors header names every
+# tensor's dtype, shape and offset) and evenly spaced windows of its data.
+HEAD_BYTES = 1 << 16
+WINDOW_BYTES = 1 << 12
+WINDOWS = 8
+
+
+def _file_sample(path: Path, size: int) -> bytes:
+    with path.open("rb") as fh:
+        parts = [fh.read(HEAD_BYTES)]
+        if size > HEAD_BYTES:
+            span = size - HEAD_BYTES - WINDOW_BYTES
+            for i in range(WINDOWS):
+                fh.seek(HEAD_BYTES + max(0, span) * (i + 1) // WINDOWS)
+                parts.append(fh.read(WINDOW_BYTES))
+    return b"".join(parts)
+
+
+def weights_fingerprint(model: str | None, revision: str | None) -> str:
+    """A cheap identity of a model's weights, so KV of replaced weights is never reused.
+
+    A local directory (or single weight file) is fingerprinted by the names and
+    sizes of its weight and config files and a sample of their bytes (header plus
+    a few windows): replacing a checkpoint in place changes it, while copies of the
+    same files on other hosts (other mtimes) agree, so they can share storage. A hub
+    id that is not a local path is named with its revision.
+    """
+    if not model:
+        return "none"
+    path = Path(model).expanduser()
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(
+            entry
+            for entry in path.iterdir()
+            if entry.is_file()
+            and (entry.name.endswith(WEIGHT_SUFFIXES) or entry.name in CONFIG_FILES)
+        )
+    else:
+        return json.dumps({"hub": model, "revision": revision})
+    hasher = hashlib.blake2b(digest_size=16)
+    for file in files:
+        size = os.stat(file).st_size
+        hasher.update(f"{file.name}\0{size}\0".encode())
+        hasher.update(_file_sample(file, size))
+    return hasher.hexdigest()
+
+
+def _overrides(value: Any) -> object:
+    """hf_overrides as JSON: a dict as is, a function by its qualified name."""
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
 def drafter_identity(vllm_config: VllmConfig) -> dict[str, object]:
     """What distinguishes one drafter's KV from another's."""
     spec = vllm_config.speculative_config
@@ -242,6 +303,11 @@ def drafter_identity(vllm_config: VllmConfig) -> dict[str, object]:
         "revision": getattr(draft, "revision", None),
         "dtype": str(getattr(draft, "dtype", None)),
         "kv_cache_dtype": str(getattr(spec, "kv_cache_dtype", None)),
+        "weights": weights_fingerprint(
+            getattr(draft, "model", None), getattr(draft, "revision", None)
+        ),
+        "quantization": getattr(draft, "quantization", None),
+        "hf_overrides": _overrides(getattr(draft, "hf_overrides", None)),
         # Multi-module MTP writes a different draft KV per speculative depth.
         "num_speculative_tokens": spec.num_speculative_tokens
         if spec.use_multi_module_mtp()
@@ -255,6 +321,9 @@ def target_identity(vllm_config: VllmConfig) -> dict[str, object]:
     return {
         "model": model.model,
         "revision": model.revision,
+        "weights": weights_fingerprint(model.model, model.revision),
+        "quantization": model.quantization,
+        "hf_overrides": _overrides(model.hf_overrides),
         "dtype": str(model.dtype),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "tp": parallel.tensor_parallel_size,

@@ -36,6 +36,10 @@ class TransferJob:
     # Store only, with an L3 tier: (slot, chunk key, successors) of each new unit,
     # written to L3 once the store completes.
     l3_units: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
+    # Store only: load jobs of the same step that write GPU blocks this request's KV
+    # was computed on (its own, or another request's it shares through vLLM's prefix
+    # cache). If one of them fails, the store holds KV of a wrong prefix: dropped.
+    after_loads: list[int] = field(default_factory=list)
 
     @property
     def num_pages(self) -> int:

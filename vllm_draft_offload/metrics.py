@@ -64,6 +64,11 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
     "audit_mismatch",
     "audit_recompute_mismatch",
     "store_failed",
+    # A store whose copy plan could not be built (worker_side); the job is dropped.
+    "store_error",
+    # Stores of a request whose load failed in the same step: KV computed on top
+    # of a prefix that was not restored is never stored.
+    "store_after_load_failure",
 )
 # Outcomes of the sampled recompute audit, per stored unit compared.
 AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")

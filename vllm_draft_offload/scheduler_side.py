@@ -22,7 +22,6 @@ from vllm_draft_offload.hit_logic import (
     StoredUnitView,
     common_prefix_length,
     match_prefix,
-    storable_chunk_limit,
 )
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
@@ -30,6 +29,7 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.store_planner import blocks_being_loaded, loads_read_by, plan_request_stores
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -66,6 +66,9 @@ class JobRecord:
     failed: bool = False
     cause: str | None = None
     successors: list[int] | None = None
+    # Store only: the chunk its plan started at; a failed store is retried from here.
+    first_chunk: int = 0
+    after_loads: tuple[int, ...] = ()  # store only: TransferJob.after_loads
 
 
 class DraftOffloadScheduler:
@@ -271,50 +274,6 @@ class DraftOffloadScheduler:
 
     # ------------------------------------------------------------------ stores
 
-    def _plan_stores(
-        self, state: RequestState, computed_after_step: int, block_ids: tuple[list[int], ...]
-    ) -> tuple[
-        list[UnitId], list[list[int]], list[list[int]], list[tuple[int, bytes, tuple[int, ...]]]
-    ]:
-        request = state.request
-        tokens = request.all_token_ids
-        limit = storable_chunk_limit(
-            len(tokens),
-            computed_after_step,
-            request.num_prompt_tokens,
-            self.chunk_size,
-            self.num_successors,
-            self.config.store_decode,
-        )
-        units: list[UnitId] = []
-        l3_units: list[tuple[int, bytes, tuple[int, ...]]] = []
-        host_pages: list[list[int]] = [[] for _ in self.layout.groups]
-        gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
-        if limit <= state.next_store_chunk or len(tokens) < self.config.min_store_tokens:
-            return units, host_pages, gpu_blocks, l3_units
-        keys = state.keys.extend(tokens)
-        for chunk in range(state.next_store_chunk, limit):
-            chunk_end = (chunk + 1) * self.chunk_size
-            successors = tuple(tokens[chunk_end : chunk_end + self.num_successors])
-            unit_id: UnitId = (keys[chunk], successors)
-            state.next_store_chunk = chunk + 1
-            if self.index.get(unit_id) is not None:
-                self.index.touch(unit_id)
-                continue
-            if self.index.ready_variants(keys[chunk]) and chunk_end + self.chunk_size > len(tokens):
-                # Another successor variant exists and this request has no
-                # further chunk to reuse behind it: a copy would buy one token.
-                continue
-            entry = self.index.reserve(unit_id)
-            if entry is None:
-                break  # every slot is storing or being loaded; try later chunks later
-            units.append(unit_id)
-            l3_units.append((entry.slot, keys[chunk], successors))
-            self.layout.add_chunk_pages(
-                host_pages, gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
-            )
-        return units, host_pages, gpu_blocks, l3_units
-
     def _store_job(
         self,
         state: RequestState,
@@ -322,26 +281,39 @@ class DraftOffloadScheduler:
         block_ids: tuple[list[int], ...],
         finishing: bool,
     ) -> TransferJob | None:
-        units, host_pages, gpu_blocks, l3_units = self._plan_stores(
-            state, computed_after_step, block_ids
+        plan = plan_request_stores(
+            self.index,
+            self.layout,
+            state.keys,
+            state.request,
+            state.next_store_chunk,
+            computed_after_step,
+            self.num_successors,
+            self.config,
+            block_ids,
         )
+        state.next_store_chunk = plan.next_chunk
+        units = plan.units
         if not units and not (finishing and state.inflight_jobs):
             return None
         job = TransferJob(
             next(self._job_ids),
             state.request.request_id,
             "store",
-            host_pages,
-            gpu_blocks,
+            plan.host_pages,
+            plan.gpu_blocks,
             finishing=finishing,
-            l3_units=l3_units if self.l3 is not None else [],
+            l3_units=plan.l3_units if self.l3 is not None else [],
         )
         if job.l3_units:
             # Not evictable until every worker has copied it out for its L3 write.
             for unit_id in units:
                 self.index.pin(unit_id)
             self._snapshot_pins[job.job_id] = [units, 0]
-        self._add_job(job.job_id, JobRecord(state.request.request_id, "store", units))
+        self._add_job(
+            job.job_id,
+            JobRecord(state.request.request_id, "store", units, first_chunk=plan.first_chunk),
+        )
         state.inflight_jobs.add(job.job_id)
         return job
 
@@ -359,6 +331,7 @@ class DraftOffloadScheduler:
         )
         self._pending_loads, self._pending_finish_stores = [], []
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        loading = blocks_being_loaded(meta.loads)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
@@ -367,6 +340,8 @@ class DraftOffloadScheduler:
             block_ids = self._kv_cache_manager.get_block_ids(req_id)
             job = self._store_job(state, computed_after, block_ids, finishing=False)
             if job is not None:
+                job.after_loads = loads_read_by(self.layout, block_ids, loading)
+                self._jobs[job.job_id].after_loads = tuple(job.after_loads)
                 meta.stores.append(job)
             meta.compares += self.audit.plan(state.request, computed_after, block_ids)
         preempted = scheduler_output.preempted_req_ids or set()
@@ -461,6 +436,8 @@ class DraftOffloadScheduler:
         state = self._requests.get(record.req_id)
         if state is not None:
             state.inflight_jobs.discard(job_id)
+            if record.failed:
+                self._after_failure(state, job_id, record)
         for unit_id in record.units:
             if record.direction == "load":
                 self.index.unpin(unit_id)
@@ -471,6 +448,21 @@ class DraftOffloadScheduler:
                 self.index.remove(unit_id)
             else:
                 self.index.commit(unit_id)
+
+    def _after_failure(self, state: RequestState, job_id: int, record: JobRecord) -> None:
+        if record.direction == "load":
+            # Stores computed on the failed blocks (same step: workers refuse them too;
+            # this request's later ones under async scheduling) are never published.
+            for other_id, other in self._jobs.items():
+                if other.direction == "store" and (
+                    job_id in other.after_loads
+                    or (other_id > job_id and other.req_id == record.req_id)
+                ):
+                    other.failed = True
+                    other.cause = other.cause or "store_after_load_failure"
+        elif record.direction == "store" and record.cause != "store_error":
+            # Retry once recomputed (no hole); a bad copy plan would only fail again.
+            state.next_store_chunk = min(state.next_store_chunk, record.first_chunk)
 
     def has_inflight_jobs(self) -> bool:
         return bool(self._jobs)
@@ -499,7 +491,14 @@ class DraftOffloadScheduler:
         )
 
     def reset_cache(self) -> int:
-        return self.index.clear_unpinned()
+        """Drop the CPU tier; what stores and fetches in flight write never shows.
+        Storage is shared and survives restarts: kept (see cache_generation)."""
+        dropped = self.index.clear_unpinned()
+        for state in self._requests.values():
+            state.next_store_chunk = 0  # store their chunks again: no hole
+        if (reset_l3 := getattr(self.l3, "reset", None)) is not None:
+            reset_l3()
+        return dropped
 
     def restored_tokens(self, req_id: str) -> int:
         state = self._requests.get(req_id)

@@ -56,6 +56,8 @@ class InflightStore:
     job: TransferJob
     event: torch.Event | None
     keepalive: list[torch.Tensor] = field(default_factory=list)
+    # Not executed: reported failed with this cause, so the scheduler drops its units.
+    failed_cause: str | None = None
 
 
 @dataclass
@@ -101,6 +103,10 @@ class DraftOffloadWorker:
         self._finishing_reqs: set[str] = set()
         self._worker_meta = DraftOffloadWorkerMetadata()
         self._load_error_blocks: set[int] = set()
+        # Requests, and load jobs, with a load that failed (in part or whole) this
+        # step: KV computed on them this step sits on a prefix that was not restored.
+        self._failed_load_reqs: set[str] = set()
+        self._failed_load_jobs: set[int] = set()
         self.stats = DraftOffloadStats()
         # Audit mode: slot -> per-layer checksums taken when its store completed.
         self._slot_checksums: dict[int, list[str]] = {}
@@ -193,6 +199,8 @@ class DraftOffloadWorker:
             if job.error_blocks:
                 self.stats.record_fallback("load_error")
                 self._load_error_blocks.update(job.error_blocks)
+                self._failed_load_reqs.add(job.req_id)
+                self._failed_load_jobs.add(job.job_id)
             try:
                 copies = {
                     region.slot.name: self._job_descriptors(region, [job], to_host=False)
@@ -250,10 +258,13 @@ class DraftOffloadWorker:
     def _fail_load(self, job: TransferJob, cause: str) -> None:
         self.stats.record_fallback(cause)
         self._worker_meta.failed_jobs[job.job_id] = 1
+        self._failed_load_reqs.add(job.req_id)
+        self._failed_load_jobs.add(job.job_id)
         for blocks in job.gpu_blocks:
             self._load_error_blocks.update(blocks)
 
     def start_load_kv(self, meta: DraftOffloadMetadata) -> None:
+        self._failed_load_reqs, self._failed_load_jobs = set(), set()
         for fetch in meta.fetches:
             if self.l3 is None:
                 self._worker_meta.failed_jobs[fetch.job_id] = 1
@@ -342,8 +353,26 @@ class DraftOffloadWorker:
         if self._on_device:
             assert self._store_stream is not None
             self._store_stream.wait_stream(torch.cuda.current_stream())
+        failed_reqs, self._failed_load_reqs = self._failed_load_reqs, set()
+        failed_jobs, self._failed_load_jobs = self._failed_load_jobs, set()
         for job in meta.stores:
-            parts = [self._job_descriptors(r, [job], to_host=True) for r in self.regions]
+            if job.req_id in failed_reqs or failed_jobs.intersection(job.after_loads):
+                logger.warning(
+                    "DraftOffloadConnector: store job %d dropped: a load request %s's KV "
+                    "depends on failed this step, so its new KV sits on a wrong prefix",
+                    job.job_id,
+                    job.req_id,
+                )
+                self._stores.append(
+                    InflightStore(job, None, failed_cause="store_after_load_failure")
+                )
+                continue
+            try:
+                parts = [self._job_descriptors(r, [job], to_host=True) for r in self.regions]
+            except ValueError as exc:
+                logger.warning("DraftOffloadConnector: store job %d refused: %s", job.job_id, exc)
+                self._stores.append(InflightStore(job, None, failed_cause="store_error"))
+                continue
             desc = Descriptors.concat(parts)
             draft = sum(
                 p.num_bytes for p, r in zip(parts, self.regions, strict=True) if r.slot.is_draft
@@ -375,12 +404,15 @@ class DraftOffloadWorker:
                 still_running.append(store)
                 continue
             job = store.job
-            if self.config.audit:
-                for slot in self._job_slots(job):
-                    self._slot_checksums[slot] = self._layer_checksums(slot)
-            self._worker_meta.completed_jobs[job.job_id] = 1
-            if self.l3 is not None and job.l3_units:
-                self.l3.write_units(job.job_id, job.l3_units)
+            if store.failed_cause is not None:
+                self._fail_store(job, store.failed_cause)
+            else:
+                if self.config.audit:
+                    for slot in self._job_slots(job):
+                        self._slot_checksums[slot] = self._layer_checksums(slot)
+                self._worker_meta.completed_jobs[job.job_id] = 1
+                if self.l3 is not None and job.l3_units:
+                    self.l3.write_units(job.job_id, job.l3_units)
             jobs = self._req_store_jobs[job.req_id]
             jobs.discard(job.job_id)
             if not jobs:
@@ -390,6 +422,16 @@ class DraftOffloadWorker:
                     done_reqs.add(job.req_id)
         self._stores = still_running
         return done_reqs
+
+    def _fail_store(self, job: TransferJob, cause: str) -> None:
+        """Report a store not executed: the scheduler drops its reserved units."""
+        meta = self._worker_meta
+        self.stats.record_fallback(cause)
+        meta.failed_jobs[job.job_id] = 1
+        meta.failure_causes.setdefault(job.job_id, cause)
+        if job.l3_units:
+            # No L3 copy will be taken: the scheduler's snapshot pins can go.
+            meta.snapshot_jobs[job.job_id] = meta.snapshot_jobs.get(job.job_id, 0) + 1
 
     def _poll_loads(self) -> None:
         still_running = []

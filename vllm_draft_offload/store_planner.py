@@ -1,0 +1,150 @@
+"""Which of a request's chunks to store this step, and into which host slots.
+
+A prefix match walks chunks from the start and stops at the first chunk it
+cannot find, so a stored chunk is reachable only if every chunk before it is in
+the tier too. The planner therefore walks a request's chunks in order and stops
+at the first one it cannot store now (no free slot, or a variant it should not
+duplicate yet); that chunk is retried at a later step, and no later chunk is
+stored before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm_draft_offload.chunk_keys import ChunkKeyChain
+from vllm_draft_offload.config import DraftOffloadConfig
+from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
+from vllm_draft_offload.geometry import UnitLayout
+from vllm_draft_offload.hit_logic import storable_chunk_limit
+from vllm_draft_offload.metadata import TransferJob
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@dataclass
+class StorePlan:
+    """New units of one store job, and the copies that fill their slots."""
+
+    # Chunks below this are stored, in flight or present; the next plan starts here.
+    next_chunk: int
+    # The chunk this plan started at: a failed store job is retried from here.
+    first_chunk: int = 0
+    units: list[UnitId] = field(default_factory=list)
+    host_pages: list[list[int]] = field(default_factory=list)
+    gpu_blocks: list[list[int]] = field(default_factory=list)
+    # (slot, chunk key, successors) of each new unit, for the L3 write.
+    l3_units: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
+
+
+def plan_stores(
+    index: CpuTierIndex,
+    layout: UnitLayout,
+    keys: Sequence[bytes],
+    tokens: Sequence[int],
+    first_chunk: int,
+    limit: int,
+    num_successors: int,
+    block_ids: tuple[list[int], ...],
+) -> StorePlan:
+    """Reserve slots for chunks [first_chunk, limit) in order, stopping at the first
+    chunk that cannot be stored now."""
+    chunk_size = layout.chunk_size
+    plan = StorePlan(
+        first_chunk,
+        first_chunk,
+        host_pages=[[] for _ in layout.groups],
+        gpu_blocks=[[] for _ in layout.groups],
+    )
+    for chunk in range(first_chunk, limit):
+        chunk_end = (chunk + 1) * chunk_size
+        successors = tuple(tokens[chunk_end : chunk_end + num_successors])
+        unit_id: UnitId = (keys[chunk], successors)
+        if index.get(unit_id) is not None:
+            index.touch(unit_id)
+            plan.next_chunk = chunk + 1
+            continue
+        if index.ready_variants(keys[chunk]) and chunk_end + chunk_size > len(tokens):
+            # Another successor variant exists and this request has no further
+            # chunk to reuse behind it (yet): a copy would buy one token. Wait:
+            # once the request grows a further chunk, this one is worth storing.
+            break
+        entry = index.reserve(unit_id)
+        if entry is None:
+            break  # every slot is storing or being loaded: retry this chunk later
+        plan.next_chunk = chunk + 1
+        plan.units.append(unit_id)
+        plan.l3_units.append((entry.slot, keys[chunk], successors))
+        layout.add_chunk_pages(
+            plan.host_pages, plan.gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
+        )
+    return plan
+
+
+def plan_request_stores(
+    index: CpuTierIndex,
+    layout: UnitLayout,
+    keys: ChunkKeyChain,
+    request: Request,
+    next_chunk: int,
+    computed_after_step: int,
+    num_successors: int,
+    config: DraftOffloadConfig,
+    block_ids: tuple[list[int], ...],
+) -> StorePlan:
+    """Store plan of one request for this step: chunks from `next_chunk` whose KV is
+    complete by the end of the step and whose successor tokens are known."""
+    tokens = request.all_token_ids
+    limit = storable_chunk_limit(
+        len(tokens),
+        computed_after_step,
+        request.num_prompt_tokens,
+        layout.chunk_size,
+        num_successors,
+        config.store_decode,
+    )
+    # vLLM lowers num_computed_tokens when a load fails (recompute policy): chunks
+    # past it are recomputed, and only what is recomputed may be stored.
+    next_chunk = min(next_chunk, request.num_computed_tokens // layout.chunk_size)
+    if limit <= next_chunk or len(tokens) < config.min_store_tokens:
+        return StorePlan(
+            next_chunk,
+            next_chunk,
+            host_pages=[[] for _ in layout.groups],
+            gpu_blocks=[[] for _ in layout.groups],
+        )
+    return plan_stores(
+        index, layout, keys.extend(tokens), tokens, next_chunk, limit, num_successors, block_ids
+    )
+
+
+def blocks_being_loaded(loads: Sequence[TransferJob]) -> dict[tuple[int, int], int]:
+    """(layout group, GPU block) -> the load job of this step that writes it."""
+    loading = {}
+    for job in loads:
+        for group, blocks in enumerate(job.gpu_blocks):
+            # Error blocks (units gone since the lookup) are flat: vLLM recomputes
+            # them, so they count as being written in every group.
+            for block in (*blocks, *job.error_blocks):
+                loading[(group, block)] = job.job_id
+    return loading
+
+
+def loads_read_by(
+    layout: UnitLayout, block_ids: tuple[list[int], ...], loading: dict[tuple[int, int], int]
+) -> list[int]:
+    """Load jobs of this step writing blocks of a request's block table: the KV it
+    computes this step, and so what it stores, depends on them."""
+    if not loading:
+        return []
+    return sorted(
+        {
+            job_id
+            for g, group in enumerate(layout.groups)
+            for block in block_ids[group.group_id]
+            if (job_id := loading.get((g, block))) is not None
+        }
+    )
