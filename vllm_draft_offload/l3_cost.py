@@ -43,7 +43,7 @@ EWMA_ALPHA = 0.2
 REPROBE_S = 30.0
 # Step samples kept for the prefill fit, and the fewest that make a fit.
 WINDOW = 256
-MIN_SAMPLES = 8
+MIN_SAMPLES = 4
 REFIT_EVERY = 8
 # A step counts as a prefill sample when it computes at least this many tokens.
 MIN_PREFILL_TOKENS = 16
