@@ -16,6 +16,9 @@ class SlowConnector:
     def __init__(self, inner: Any, delays: dict[str, float]) -> None:
         self._inner = inner
         self._delays = delays
+        # Reads sleeping at once (all on the store's loop thread: no lock needed).
+        self.gets_in_flight = 0
+        self.max_gets_in_flight = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -25,12 +28,19 @@ class SlowConnector:
         return await self._inner.exists(key)
 
     async def get(self, key: Any) -> Any:
-        await asyncio.sleep(self._delays.get("get", 0.0))
+        self.gets_in_flight += 1
+        self.max_gets_in_flight = max(self.max_gets_in_flight, self.gets_in_flight)
+        try:
+            await asyncio.sleep(self._delays.get("get", 0.0))
+        finally:
+            self.gets_in_flight -= 1
         return await self._inner.get(key)
 
 
-def throttle(store: L3Store | None, **delays: float) -> None:
+def throttle(store: L3Store | None, **delays: float) -> SlowConnector:
     """Delay `store`'s connector calls, e.g. throttle(store, exists=0.05, get=0.1)."""
     assert store is not None and store.check_health(), "throttle needs a connected store"
     assert store._conn is not None
-    store._conn = SlowConnector(store._conn, delays)  # type: ignore[assignment]
+    slow = SlowConnector(store._conn, delays)
+    store._conn = slow  # type: ignore[assignment]
+    return slow

@@ -168,3 +168,10 @@ def test_unknown_engine_speed_declines_and_probes(
     sched = eng.scheduler.connector.scheduler
     assert sched.l3.cost.storage.samples == 1
     eng.worker.shutdown()
+
+
+def test_unknown_hit_policy_names_the_field() -> None:
+    from vllm_draft_offload.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.l3\.hit_policy"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "l3": {"hit_policy": "sometimes"}})

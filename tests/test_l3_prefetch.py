@@ -126,7 +126,8 @@ def _put_unit(store: L3Store, chunk_key: bytes, rank: int, successors: tuple[int
 
 
 def test_a_unit_is_present_only_when_every_rank_holds_it(tmp_path: Path) -> None:
-    lookup = _prefetch(f"fs://{tmp_path / 'l3'}", world_size=2).lookup
+    prefetch = _prefetch(f"fs://{tmp_path / 'l3'}", world_size=2)
+    lookup = prefetch.lookup
     store = lookup.store
     assert store is not None
     half, whole = b"h" * 32, b"w" * 32
@@ -142,7 +143,7 @@ def test_a_unit_is_present_only_when_every_rank_holds_it(tmp_path: Path) -> None
         time.sleep(0.01)
     assert not store.contains(object_key(whole, 0)) and not store.contains(object_key(whole, 1))
     # A cache reset forgets it: a unit written again afterwards is served.
-    lookup.reset()
+    prefetch.reset()
     _put_unit(store, whole, 0, (7,))
     _put_unit(store, whole, 1, (7,))
     assert lookup.lookup([whole]).result(5) == [True]
@@ -236,4 +237,20 @@ def test_unexpected_lookup_error_is_a_counted_miss(
     eng.run_until_done()
     assert len(eng.outputs["r"]) == 2
     assert eng.take_published()["fallbacks"].get("l3_lookup_failed") == 1
+    eng.worker.shutdown()
+
+
+def test_fetches_of_one_request_run_in_parallel(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(35, 4 * CHUNK + 3)
+    fill_l3(model_dirs, url, tokens)
+    l3 = {"enabled": True, "hit_policy": "always", "io_threads": 4}
+    eng = l3_engine(model_dirs, url, extra_config={"l3": l3})
+    slow = throttle(eng.worker.worker.l3.store, get=0.2)
+    eng.add_request("r", tokens, max_tokens=1)
+    eng.run_prefill("r")
+    assert eng.external_hits["r"] == 4 * CHUNK
+    assert slow.max_gets_in_flight == 4  # one per read thread, all at once
     eng.worker.shutdown()

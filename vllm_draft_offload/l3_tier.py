@@ -303,6 +303,11 @@ class SchedulerL3:
             logger.warning("DraftOffloadConnector: L3 lookup failed: %s", exc)
             return [False] * len(chunk_keys)
         self.last_round_trip_s = time.perf_counter() - started
+        if len(found) != len(names):
+            logger.warning(
+                "DraftOffloadConnector: L3 lookup answered %d of %d", len(found), len(names)
+            )
+            return [False] * len(chunk_keys)
         return [
             all(found[i * ranks : (i + 1) * ranks]) and not self.is_broken(key)
             for i, key in enumerate(chunk_keys)
