@@ -175,3 +175,29 @@ def test_unknown_hit_policy_names_the_field() -> None:
 
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.l3\.hit_policy"):
         parse_config({"cpu_bytes_to_use": 1 << 20, "l3": {"hit_policy": "sometimes"}})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_clock_pairs_steps_with_their_outputs(async_scheduling: bool) -> None:
+    """Each step is charged its own device time, whether vLLM schedules one step
+    ahead (async scheduling) or not, and an idle engine adds nothing."""
+    now = [0.0]
+    model = CostModel(256, 1 << 20, 2, clock=lambda: now[0])
+    seen: list[tuple[float, float]] = []
+    model.prefill.observe = lambda tokens, attention, seconds: seen.append((tokens, seconds))  # type: ignore[method-assign]
+    durations = {1: 0.01, 512: 0.2}
+    steps = [512, 1, 1, 512, 1]
+    if async_scheduling:
+        model.step_scheduled([(steps[0], 0)])
+        for i, tokens in enumerate(steps):
+            if i + 1 < len(steps):
+                model.step_scheduled([(steps[i + 1], 0)])  # scheduled while step i runs
+            now[0] += durations[tokens]
+            model.step_output()
+    else:
+        for tokens in steps:
+            now[0] += 5.0  # idle engine between requests
+            model.step_scheduled([(tokens, 0)])
+            now[0] += durations[tokens]
+            model.step_output()
+    assert seen == [(t, pytest.approx(durations[t])) for t in steps]

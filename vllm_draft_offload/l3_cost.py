@@ -7,7 +7,8 @@ Two estimators, fed by what the connector sees anyway:
   fetch of k units on `parallel` read threads takes about ceil(k / parallel)
   unit times. Exponentially weighted, so it follows a backend that slows down
   or warms up. Until the first measurement a pessimistic prior stands in.
-* `PrefillEstimate`: the engine's step time, fitted as
+* `PrefillEstimate`: the engine's step time (from when a step was scheduled, or
+  the previous step's output arrived if later, until its output arrives), fitted as
   t = a + b * tokens + c * attention, where attention = sum over the step's
   requests of n * (context + n / 2) (query-key pairs of n new tokens after
   `context` cached ones). Fitted by least squares with non-negative
@@ -29,6 +30,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from itertools import combinations
 
 import numpy as np
@@ -131,31 +133,46 @@ class PrefillEstimate:
 
 
 class CostModel:
-    def __init__(self, chunk_size: int, unit_bytes: int, parallel: int) -> None:
+    def __init__(
+        self,
+        chunk_size: int,
+        unit_bytes: int,
+        parallel: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.chunk_size = chunk_size
+        self._clock = clock
         self.storage = StorageEstimate(unit_bytes, parallel)
         self.prefill = PrefillEstimate()
-        self._step: tuple[float, int, float] | None = None  # start, tokens, attention
+        # Scheduled steps whose output has not come back: (time, tokens, attention).
+        # Bounded: if vLLM ever skips an output, old entries fall off.
+        self._open_steps: deque[tuple[float, int, float]] = deque(maxlen=4)
+        self._last_output = -math.inf
 
     # ------------------------------------------------------------- step timing
 
     def step_scheduled(self, work: list[tuple[int, int]]) -> None:
         """A step was scheduled: (new tokens, context before them) per request."""
-        now = time.perf_counter()
-        self.step_done(now)
         tokens = sum(n for n, _ in work)
-        if tokens:
-            attention = float(sum(n * (ctx + n / 2) for n, ctx in work))
-            self._step = (now, tokens, attention)
+        attention = float(sum(n * (ctx + n / 2) for n, ctx in work))
+        self._open_steps.append((self._clock(), tokens, attention))
 
-    def step_done(self, now: float | None = None) -> None:
-        """The open step's output arrived (or the next step was scheduled)."""
-        if self._step is None:
+    def step_output(self) -> None:
+        """The oldest scheduled step's output was processed.
+
+        Steps run one after another on the device, so a step ran from when it was
+        scheduled or the previous one ended, whichever is later, until its output
+        arrived. This holds with async scheduling too (vLLM schedules step k+1
+        before step k's output comes back), and an idle engine adds no time.
+        """
+        now = self._clock()
+        if not self._open_steps:
             return
-        started, tokens, attention = self._step
-        self._step = None
-        end = time.perf_counter() if now is None else now
-        self.prefill.observe(tokens, attention, end - started)
+        scheduled, tokens, attention = self._open_steps.popleft()
+        started = max(scheduled, self._last_output)
+        self._last_output = now
+        if tokens:
+            self.prefill.observe(tokens, attention, now - started)
 
     # ---------------------------------------------------------------- decision
 

@@ -258,8 +258,6 @@ class SchedulerL3:
         )
         self._lock = threading.Lock()
         self._broken: OrderedDict[bytes, None] = OrderedDict()
-        # Wall time of the last completed lookup round (a storage round trip).
-        self.last_round_trip_s: float | None = None
 
     def lookup(self, chunk_keys: list[bytes]) -> Future[list[bool]]:
         return self._pool.submit(self._contains, chunk_keys)
@@ -296,13 +294,11 @@ class SchedulerL3:
             return [False] * len(chunk_keys)
         ranks = self.world_size
         names = [object_key(key, rank) for key in chunk_keys for rank in range(ranks)]
-        started = time.perf_counter()
         try:
             found = self.store.contains_many(names)
         except L3Error as exc:
             logger.warning("DraftOffloadConnector: L3 lookup failed: %s", exc)
             return [False] * len(chunk_keys)
-        self.last_round_trip_s = time.perf_counter() - started
         if len(found) != len(names):
             logger.warning(
                 "DraftOffloadConnector: L3 lookup answered %d of %d", len(found), len(names)

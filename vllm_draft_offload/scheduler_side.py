@@ -423,9 +423,12 @@ class DraftOffloadScheduler:
 
     # ------------------------------------------------------------- completion
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
+    def on_step_output(self) -> None:
+        """vLLM processed one step's output (called every step, unlike the method below)."""
         if self.l3 is not None:
-            self.l3.cost.step_done()
+            self.l3.cost.step_output()
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, DraftOffloadWorkerMetadata):
             return
