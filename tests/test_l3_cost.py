@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kv_sim import SimEngine, prompt
 from l3_throttle import throttle
-from test_l3_tier import CHUNK, finish_l3_writes, l3_engine
+from test_l3_tier import CHUNK, finish_l3_writes, l3_engine, redis_url  # noqa: F401
 
 from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate
 
@@ -114,7 +114,17 @@ def _serve(eng: SimEngine, req_id: str, tokens: list[int]) -> dict:
 def test_slow_storage_hits_are_declined_and_counted(
     model_dirs: tuple[Path, Path], tmp_path: Path, policy: str
 ) -> None:
-    url = f"fs://{tmp_path / 'l3'}"
+    _slow_storage(model_dirs, f"fs://{tmp_path / 'l3'}", policy)
+
+
+def test_slow_redis_hits_are_declined_and_counted(
+    model_dirs: tuple[Path, Path],
+    redis_url: str,  # noqa: F811
+) -> None:
+    _slow_storage(model_dirs, redis_url, "cost")
+
+
+def _slow_storage(model_dirs: tuple[Path, Path], url: str, policy: str) -> None:
     prompts = _filled_storage(model_dirs, url)
     eng = _restarted(model_dirs, url, policy)
     # 0.1 s per unit read: 8 units on 2 threads load in 0.4 s, far slower than
