@@ -4,14 +4,20 @@ made slow by a throttle (tests/l3_throttle.py)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from kv_sim import SimEngine, prompt
 from l3_throttle import throttle
 from test_l3_tier import CHUNK, finish_l3_writes, l3_engine, redis_url  # noqa: F401
+from test_metrics import clean_registry, vllm_config  # noqa: F401
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate
+from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.metrics_prom import PREFIX
 
 
 def test_prefill_fit_recovers_step_cost_despite_outliers() -> None:
@@ -211,3 +217,23 @@ def test_step_clock_pairs_steps_with_their_outputs(async_scheduling: bool) -> No
             now[0] += durations[tokens]
             model.step_output()
     assert seen == [(t, pytest.approx(durations[t])) for t in steps]
+
+
+def test_declined_chunks_reach_prometheus_and_the_log_line(
+    vllm_config: VllmConfig,  # noqa: F811
+    clean_registry: Any,  # noqa: F811
+) -> None:
+    prom = KVConnectorProm(vllm_config, ["model_name", "engine"], {0: ["m", "0"]})
+
+    def declined() -> float | None:
+        return clean_registry.get_sample_value(
+            PREFIX + "l3_declined_chunks_total",
+            {"model_name": "m", "engine": "0", "cause": "slower_than_recompute"},
+        )
+
+    assert declined() == 0  # pre-created
+    stats = DraftOffloadStats()
+    stats.record_l3_declined("slower_than_recompute", 5)
+    prom.observe(stats.to_dict(), engine_idx=0)
+    assert declined() == 5
+    assert stats.reduce()["l3_declined_chunks"] == 5
