@@ -17,14 +17,19 @@ class SlowConnector:
         self._inner = inner
         self._delays = delays
         # Reads sleeping at once (all on the store's loop thread: no lock needed).
-        self.gets_in_flight = 0
-        self.max_gets_in_flight = 0
+        self.gets_in_flight = self.max_gets_in_flight = 0
+        self.exists_in_flight = self.max_exists_in_flight = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     async def exists(self, key: Any) -> bool:
-        await asyncio.sleep(self._delays.get("exists", 0.0))
+        self.exists_in_flight += 1
+        self.max_exists_in_flight = max(self.max_exists_in_flight, self.exists_in_flight)
+        try:
+            await asyncio.sleep(self._delays.get("exists", 0.0))
+        finally:
+            self.exists_in_flight -= 1
         return await self._inner.exists(key)
 
     async def get(self, key: Any) -> Any:

@@ -105,7 +105,7 @@ def test_cold_lookups_of_many_requests_overlap(tmp_path: Path) -> None:
         time.sleep(0.005)
     elapsed = time.monotonic() - started
     # One lookup thread would take 32 x 50 ms = 1.6 s.
-    assert elapsed < 0.5, elapsed
+    assert elapsed < 0.8, elapsed
     assert prefetch.stats.data["misses"] == {"l3": 32 * 4}
     assert not prefetch.stats.data["fallbacks"]  # no lookup ran into its timeout
     prefetch.lookup.close()
@@ -262,7 +262,7 @@ def test_cold_requests_are_all_scheduled_within_a_few_round_trips(
     """The engine view of the test above: real Scheduler, 32 cold requests at once."""
     eng = l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}", num_gpu_blocks=256)
     sched = eng.scheduler.connector.scheduler
-    throttle(sched.l3.lookup.store, exists=0.05)
+    slow = throttle(sched.l3.lookup.store, exists=0.05)
     for i in range(32):
         eng.add_request(f"cold{i}", prompt(100 + i, CHUNK + 2), max_tokens=1)
     scheduled: set[str] = set()
@@ -278,7 +278,10 @@ def test_cold_requests_are_all_scheduled_within_a_few_round_trips(
         if not out.num_scheduled_tokens:
             time.sleep(0.005)
             waiting_s += time.monotonic() - step_started
-    # A few 50 ms round trips; one lookup thread would make it 32 (1.6 s).
-    assert waiting_s < 0.25, waiting_s
+    # A few 50 ms round trips (bound loose for a loaded 2-core CI box); one lookup
+    # thread would make it 32 of them (1.6 s).
+    assert waiting_s < 0.8, waiting_s
+    # Many requests' lookups were on the wire at once (one at a time before).
+    assert slow.max_exists_in_flight >= 8
     assert not eng.take_published()["fallbacks"].get("l3_unavailable")
     eng.worker.shutdown()
