@@ -71,6 +71,12 @@ def _model(unit_s: float) -> CostModel:
     return model
 
 
+def test_no_hit_before_storage_was_timed() -> None:
+    model = _model(unit_s=0.0001)
+    model.storage = StorageEstimate(unit_bytes=1, parallel=2)
+    assert model.chunks_worth_loading(0, 16, round_trip=False) == 0
+
+
 def test_cost_model_takes_fast_hits_and_declines_slow_ones() -> None:
     assert _model(unit_s=0.0001).chunks_worth_loading(0, 16, round_trip=False) == 16
     assert _model(unit_s=1.0).chunks_worth_loading(0, 16, round_trip=False) == 0
@@ -136,14 +142,15 @@ def _slow_storage(model_dirs: tuple[Path, Path], url: str, policy: str) -> None:
     # 0.1 s per unit read: 8 units on 2 threads load in 0.4 s, far slower than
     # the simulated prefill.
     throttle(eng.worker.worker.l3.store, get=0.1)
-    _serve(eng, "first", prompts[0])  # measures the storage (a hit or a probe)
+    _serve(eng, "first", prompts[0])  # measures the storage (a probe, or a hit if always)
     published = _serve(eng, "second", prompts[1])
     if policy == "always":
         assert eng.external_hits["second"] == PROMPT_CHUNKS * CHUNK
         assert "l3_declined" not in published or not published["l3_declined"]
     else:
         assert eng.external_hits["second"] == 0
-        assert published["l3_declined"] == {"slower_than_recompute": PROMPT_CHUNKS}
+        # Storage measured slow: the lookup itself is skipped.
+        assert published["l3_declined"] == {"not_looked_up": PROMPT_CHUNKS}
         assert published["chunks"].get("load/l3", 0) == 0
     eng.worker.shutdown()
 
@@ -152,11 +159,13 @@ def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Pa
     url = f"fs://{tmp_path / 'l3'}"
     prompts = _filled_storage(model_dirs, url)
     eng = _restarted(model_dirs, url, "cost")
-    for i, tokens in enumerate(prompts):
-        published = _serve(eng, f"hit{i}", tokens)
-        assert eng.external_hits[f"hit{i}"] == PROMPT_CHUNKS * CHUNK
-        assert published["chunks"]["load/l3"] == PROMPT_CHUNKS
-        assert not published.get("l3_declined")
+    published = _serve(eng, "probe", prompts[0])  # storage speed unknown yet
+    assert eng.external_hits["probe"] == 0
+    assert published["chunks"]["load/l3"] == 1  # the background probe
+    published = _serve(eng, "hit", prompts[1])
+    assert eng.external_hits["hit"] == PROMPT_CHUNKS * CHUNK
+    assert published["chunks"]["load/l3"] == PROMPT_CHUNKS
+    assert not published.get("l3_declined")
     eng.worker.shutdown()
 
 

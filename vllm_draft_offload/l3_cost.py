@@ -6,7 +6,7 @@ Two estimators, fed by what the connector sees anyway:
   copy into a host slot, as workers report it) and the lookup round trip. A
   fetch of k units on `parallel` read threads takes about ceil(k / parallel)
   unit times. Exponentially weighted, so it follows a backend that slows down
-  or warms up. Until the first measurement a pessimistic prior stands in.
+  or warms up.
 * `PrefillEstimate`: the engine's step time (from when a step was scheduled, or
   the previous step's output arrived if later, until its output arrives), fitted as
   t = a + b * tokens + c * attention, where attention = sum over the step's
@@ -19,9 +19,10 @@ Two estimators, fed by what the connector sees anyway:
 
 `CostModel.chunks_worth_loading` picks how many leading chunks of a storage
 hit to load: the count that saves the most time, or none. The CPU tier is not
-involved: its hits are always taken. Before the prefill fit exists nothing is
-known about the engine's speed, so storage hits are declined (never slower
-than recompute) and a single background probe fetch measures the storage.
+involved: its hits are always taken. Until both the prefill fit and a storage
+timing exist, storage hits are declined: a request never waits on a storage
+whose speed is unknown, so the first hit is not slower than recompute. The
+prefetch then fetches one unit in the background as a probe (l3_prefetch.py).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from itertools import combinations
 
 import numpy as np
 
-# Before any fetch was timed: 5 ms per request plus 0.25 GB/s per read thread,
-# below what a local NVMe or a LAN Redis sustains, so the prior errs to recompute.
+# Placeholder until the first fetch is timed (never used for a decision: no
+# hit is taken before then): 5 ms per request plus 0.25 GB/s per read thread.
 PRIOR_LATENCY_S = 0.005
 PRIOR_BYTES_PER_S = 0.25e9
 # Weight of a new sample in the storage averages.
@@ -182,6 +183,8 @@ class CostModel:
         `round_trip`: a lookup is still to be paid. Returns the count that saves the
         most time over recomputing them, 0 when none saves any or speed is unknown.
         """
+        if self.storage.samples == 0:
+            return 0  # storage speed unknown: never make a request wait on it
         best, best_gain = 0, 0.0
         extra = self.storage.round_trip_s if round_trip else 0.0
         start = first_chunk * self.chunk_size

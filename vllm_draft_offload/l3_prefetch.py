@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 PLACEHOLDER = -1
 # Refusal cause of a unit whose TP ranks' objects disagree.
 RANK_MISMATCH = "rank_mismatch"
-# Decline cause of storage hits that would load slower than recompute.
+# Decline causes: storage hits that would load slower than recompute, and chunks
+# not even looked up because a full hit would (they may or may not be stored).
 SLOWER_THAN_RECOMPUTE = "slower_than_recompute"
+NOT_LOOKED_UP = "not_looked_up"
 
 
 @dataclass
@@ -133,7 +135,7 @@ class L3Prefetch:
                 # Even a full hit would load slower than recompute: skip the round trip.
                 state.phase = "done"
                 state.checked_until = last
-                self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, last - first)
+                self.stats.record_l3_declined(NOT_LOOKED_UP, last - first)
                 return False
             # Pin the head before the lookup's answer reserves placeholders.
             self._pin(req_id, (view.handle for _, view in match.chunks))  # type: ignore[misc]

@@ -68,7 +68,8 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
     "l3_lookup_failed",  # a storage lookup raised something unexpected; treated as a miss
 )
 # Why storage hits were not fetched (l3.hit_policy=cost).
-L3_DECLINE_CAUSES: Final[tuple[str, ...]] = ("slower_than_recompute",)
+# not_looked_up: the lookup was skipped since even a full hit would be slower.
+L3_DECLINE_CAUSES: Final[tuple[str, ...]] = ("slower_than_recompute", "not_looked_up")
 # Outcomes of the sampled recompute audit, per stored unit compared.
 AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")
 
