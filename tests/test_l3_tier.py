@@ -43,7 +43,8 @@ def l3_engine(
     model_dirs: tuple[Path, Path], url: str, draft_path: Path | None = None, **setup: object
 ) -> SimEngine:
     extra = {
-        "l3": {"enabled": True, "timeout_s": 2.0},
+        # The read path itself is under test here, not the cost policy (test_l3_cost.py).
+        "l3": {"enabled": True, "timeout_s": 2.0, "hit_policy": "always"},
         "lmcache.remote_url": url,
         "lmcache.extra_config": L3_EXTRA,
         **setup.pop("extra_config", {}),  # type: ignore[dict-item]

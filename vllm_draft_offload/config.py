@@ -7,7 +7,7 @@ that names the field instead of silently running without offload.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -35,6 +35,9 @@ class L3Config(BaseModel):
     max_pending_write_bytes: int = Field(default=4 << 30, gt=0)
     io_threads: int = Field(default=2, ge=1, le=64)
     timeout_s: float = Field(default=5.0, gt=0)
+    # cost: fetch the part of a storage hit that loads faster than it recomputes
+    # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
+    hit_policy: Literal["cost", "always", "never"] = "cost"
 
 
 class DraftOffloadConfig(BaseModel):

@@ -244,6 +244,9 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- metrics
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is not None:
+            # vLLM asks once per processed step output: the step clock of the L3 cost model.
+            self._scheduler.on_step_output()
         side = self._scheduler if self._scheduler is not None else self._worker
         return side.stats.take() if side is not None else None
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -73,6 +75,8 @@ class FetchResult:
     successors: tuple[int, ...] | None  # None: failed
     cause: str | None = None
     layer_checksums: tuple[str, ...] = ()
+    # Wall time of the read, decode and copy into the slot (feeds the cost model).
+    seconds: float = 0.0
 
 
 class WorkerL3:
@@ -181,6 +185,7 @@ class WorkerL3:
 
     def _fetch(self, job_id: int, slot: int, chunk_key: bytes) -> None:
         assert self.store is not None
+        started = time.perf_counter()
         expected = ExpectedUnit(
             key=chunk_key.hex(),
             geometry_fingerprint=self.fingerprint,
@@ -205,6 +210,7 @@ class WorkerL3:
                     slot,
                     tuple(header.successor_tokens),
                     layer_checksums=tuple(entry.checksum for entry in header.layers),
+                    seconds=time.perf_counter() - started,
                 )
             )
         except UnitRejected as exc:
@@ -229,26 +235,79 @@ class WorkerL3:
             self.store.close()
 
 
-class SchedulerL3:
-    """Scheduler-side existence checks, off the scheduling thread."""
+# Lookups in flight at once. Each holds a thread only while it waits for its one
+# round of concurrent exists calls, so many requests' lookups overlap instead of
+# queueing behind each other.
+LOOKUP_THREADS = 32
+# Chunk keys remembered as broken (ranks disagree): never fetched again by this engine.
+MAX_BROKEN_KEYS = 65536
 
-    def __init__(self, config: L3Config) -> None:
+
+class SchedulerL3:
+    """Scheduler-side existence checks, off the scheduling thread.
+
+    A unit counts as present only when every TP rank's object exists; all ranks'
+    objects of all chunks of a lookup are checked in one concurrent round.
+    """
+
+    def __init__(self, config: L3Config, world_size: int = 1) -> None:
+        self.world_size = world_size
         self.store = open_store(config)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft-offload-l3-lookup")
+        self._pool = ThreadPoolExecutor(
+            LOOKUP_THREADS, thread_name_prefix="draft-offload-l3-lookup"
+        )
+        self._lock = threading.Lock()
+        self._broken: OrderedDict[bytes, None] = OrderedDict()
 
     def lookup(self, chunk_keys: list[bytes]) -> Future[list[bool]]:
         return self._pool.submit(self._contains, chunk_keys)
 
+    def is_broken(self, chunk_key: bytes) -> bool:
+        with self._lock:
+            return chunk_key in self._broken
+
+    def mark_broken(self, chunk_key: bytes) -> None:
+        """Never serve this unit again, and delete its objects where the backend can."""
+        with self._lock:
+            self._broken[chunk_key] = None
+            self._broken.move_to_end(chunk_key)
+            while len(self._broken) > MAX_BROKEN_KEYS:
+                self._broken.popitem(last=False)
+        if self.store is not None and self.store.supports_remove:
+            self._pool.submit(self._remove_all_ranks, chunk_key)
+
+    def reset(self) -> None:
+        """Forget what this engine learnt about storage (cache reset)."""
+        with self._lock:
+            self._broken.clear()
+
+    def _remove_all_ranks(self, chunk_key: bytes) -> None:
+        assert self.store is not None
+        for rank in range(self.world_size):
+            try:
+                self.store.remove(object_key(chunk_key, rank))
+            except Exception as exc:  # best effort: the negative cache already guards
+                logger.warning("DraftOffloadConnector: L3 remove failed: %s", exc)
+
     def _contains(self, chunk_keys: list[bytes]) -> list[bool]:
         if self.store is None or not chunk_keys:
             return [False] * len(chunk_keys)
+        ranks = self.world_size
+        names = [object_key(key, rank) for key in chunk_keys for rank in range(ranks)]
         try:
-            # Rank 0's part stands for the unit; a missing part on another rank
-            # fails that rank's fetch, which turns into recompute.
-            return self.store.contains_many([object_key(key, 0) for key in chunk_keys])
+            found = self.store.contains_many(names)
         except L3Error as exc:
             logger.warning("DraftOffloadConnector: L3 lookup failed: %s", exc)
             return [False] * len(chunk_keys)
+        if len(found) != len(names):
+            logger.warning(
+                "DraftOffloadConnector: L3 lookup answered %d of %d", len(found), len(names)
+            )
+            return [False] * len(chunk_keys)
+        return [
+            all(found[i * ranks : (i + 1) * ranks]) and not self.is_broken(key)
+            for i, key in enumerate(chunk_keys)
+        ]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

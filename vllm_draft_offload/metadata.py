@@ -80,6 +80,8 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     snapshot_jobs: dict[int, int] = field(default_factory=dict)
     # Fetch job -> successor tokens found in the L3 object header.
     fetched_successors: dict[int, list[int]] = field(default_factory=dict)
+    # Fetch job -> seconds the read, decode and copy took (slowest rank).
+    fetch_seconds: dict[int, float] = field(default_factory=dict)
     # Failed job -> why (a refusal or fallback cause).
     failure_causes: dict[int, str] = field(default_factory=dict)
     # Compare job -> {"draft"|"target": layers that differ from the recomputed KV}.
@@ -95,6 +97,7 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             dict(self.failed_jobs),
             dict(self.snapshot_jobs),
             dict(self.fetched_successors),
+            dict(self.fetch_seconds),
             dict(self.failure_causes),
             {
                 job: {part: list(names) for part, names in parts.items()}
@@ -111,7 +114,9 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         for job_id, successors in other.fetched_successors.items():
             if merged.fetched_successors.setdefault(job_id, successors) != successors:
                 # Ranks read different variants: the unit cannot be trusted.
-                merged.failure_causes[job_id] = "successor_mismatch"
+                merged.failure_causes[job_id] = "rank_mismatch"
+        for job_id, seconds in other.fetch_seconds.items():
+            merged.fetch_seconds[job_id] = max(seconds, merged.fetch_seconds.get(job_id, 0.0))
         for job_id, cause in other.failure_causes.items():
             merged.failure_causes.setdefault(job_id, cause)
         for job_id, parts in other.audit_mismatch_layers.items():

@@ -56,6 +56,7 @@ REFUSAL_CAUSES: Final[tuple[str, ...]] = (
     "successor_mismatch",
     "checksum_mismatch",
     "truncated",
+    "rank_mismatch",  # TP ranks' objects of one unit disagree (then deleted, never refetched)
 )
 FALLBACK_CAUSES: Final[tuple[str, ...]] = (
     "load_error",
@@ -69,7 +70,11 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
     # Stores of a request whose load failed in the same step: KV computed on top
     # of a prefix that was not restored is never stored.
     "store_after_load_failure",
+    "l3_lookup_failed",  # a storage lookup raised something unexpected; treated as a miss
 )
+# Why storage hits were not fetched (l3.hit_policy=cost).
+# not_looked_up: the lookup was skipped since even a full hit would be slower.
+L3_DECLINE_CAUSES: Final[tuple[str, ...]] = ("slower_than_recompute", "not_looked_up")
 # Outcomes of the sampled recompute audit, per stored unit compared.
 AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")
 
@@ -90,6 +95,7 @@ NUMBER_SECTIONS: Final[tuple[str, ...]] = (
     "drafts",  # "true"/"false" (prefix restored?) -> drafting steps
     "accepted",  # "true"/"false" -> accepted draft tokens
     "audit_recompute",  # result -> stored units compared with their recomputed prefix
+    "l3_declined",  # cause -> storage chunks not fetched because recompute is faster
 )
 # section -> {key: [samples]}, concatenated on aggregate
 SAMPLE_MAP_SECTIONS: Final[tuple[str, ...]] = ("restore_s",)  # tier -> load seconds
@@ -201,6 +207,10 @@ class DraftOffloadStats(KVConnectorStats):
         """A restore that fell back to recompute."""
         self._inc("fallbacks", _check_cause(cause), _check_count("count", count))
 
+    def record_l3_declined(self, cause: str, chunks: int) -> None:
+        """Storage chunks the hit policy chose to recompute rather than fetch."""
+        self._inc("l3_declined", _check_cause(cause), _check_count("chunks", chunks))
+
     def record_audit_recompute(self, result: str, units: int = 1) -> None:
         """Stored units compared with a recompute of their prefix (sampled audit)."""
         self._inc(
@@ -298,6 +308,9 @@ class DraftOffloadStats(KVConnectorStats):
             out["recomputed_tokens_per_hit"] = round(sum(recomputed) / len(recomputed), 2)
         for result, units in sorted(d["audit_recompute"].items()):
             out[f"audit_recompute_{result}"] = units
+        declined = sum(d["l3_declined"].values())
+        if declined:
+            out["l3_declined_chunks"] = declined
         out["refusals"] = sum(d["refused"].values())
         out["fallbacks"] = sum(d["fallbacks"].values())
         return out

@@ -31,6 +31,7 @@ from vllm_draft_offload.metrics import (
     AUDIT_RESULTS,
     DIRECTIONS,
     FALLBACK_CAUSES,
+    L3_DECLINE_CAUSES,
     PARTS,
     REFUSAL_CAUSES,
     TIERS,
@@ -81,6 +82,12 @@ REFUSALS = _counter(
     "refusals", "Stored units refused because the draft part was missing/mismatched.", "cause"
 )
 FALLBACKS = _counter("fallbacks", "Restores that fell back to recompute, by cause.", "cause")
+L3_DECLINED = _counter(
+    "l3_declined_chunks",
+    "Storage (L3) chunks found but recomputed instead, because loading them was "
+    "estimated slower (l3.hit_policy=cost), by cause.",
+    "cause",
+)
 AUDIT_RECOMPUTE = _counter(
     "audit_recompute_units",
     "Stored units compared with a recompute of their prefix (sampled audit), by result.",
@@ -120,6 +127,7 @@ ALL_METRICS: Final[tuple[MetricDef, ...]] = (
     MISS_CHUNKS,
     REFUSALS,
     FALLBACKS,
+    L3_DECLINED,
     AUDIT_RECOMPUTE,
     SPEC_DRAFTS,
     SPEC_ACCEPTED,
@@ -137,6 +145,7 @@ _SINGLE_LABEL: Final = {
     "misses": MISS_CHUNKS,
     "refused": REFUSALS,
     "fallbacks": FALLBACKS,
+    "l3_declined": L3_DECLINED,
     "drafts": SPEC_DRAFTS,
     "accepted": SPEC_ACCEPTED,
     "audit_recompute": AUDIT_RECOMPUTE,
@@ -171,6 +180,8 @@ class DraftOffloadPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, REFUSALS, (cause,))
             for cause in FALLBACK_CAUSES:
                 self._child(engine_idx, FALLBACKS, (cause,))
+            for cause in L3_DECLINE_CAUSES:
+                self._child(engine_idx, L3_DECLINED, (cause,))
             for result in AUDIT_RESULTS:
                 self._child(engine_idx, AUDIT_RECOMPUTE, (result,))
             for restored in ("true", "false"):

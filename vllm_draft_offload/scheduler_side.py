@@ -109,12 +109,13 @@ class DraftOffloadScheduler:
             from vllm_draft_offload.l3_tier import SchedulerL3
 
             self.l3 = L3Prefetch(
-                SchedulerL3(config.l3),
+                SchedulerL3(config.l3, world_size),
                 self.index,
                 self.chunk_size,
-                config.l3.timeout_s,
+                config.l3,
                 self.stats,
                 lambda: next(self._job_ids),
+                layout.unit_bytes,
             )
         # store job id -> [units pinned until their L3 copy is taken, reports]
         self._snapshot_pins: dict[int, list] = {}
@@ -330,6 +331,15 @@ class DraftOffloadScheduler:
             for job in meta.loads
         )
         self._pending_loads, self._pending_finish_stores = [], []
+        if self.l3 is not None:
+            # Step timing for the L3 cost model: (new tokens, context) per request.
+            self.l3.cost.step_scheduled(
+                [
+                    (n, state.request.num_computed_tokens if state is not None else 0)
+                    for r, n in scheduler_output.num_scheduled_tokens.items()
+                    for state in (self._requests.get(r),)
+                ]
+            )
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         loading = blocks_being_loaded(meta.loads)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -388,6 +398,11 @@ class DraftOffloadScheduler:
 
     # ------------------------------------------------------------- completion
 
+    def on_step_output(self) -> None:
+        """vLLM processed one step's output (called every step, unlike the method below)."""
+        if self.l3 is not None:
+            self.l3.cost.step_output()
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, DraftOffloadWorkerMetadata):
@@ -407,8 +422,16 @@ class DraftOffloadScheduler:
                 record.failed, record.cause = True, record.cause or cause
         for job_id, successors in meta.fetched_successors.items():
             record = self._jobs.get(job_id)
-            if record is not None and record.successors is None:
+            if record is None:
+                continue
+            if record.successors is None:
                 record.successors = successors
+            elif record.successors != successors:
+                # Ranks reported in different steps and read different units.
+                record.failed, record.cause = True, "rank_mismatch"
+        if self.l3 is not None:
+            for seconds in meta.fetch_seconds.values():
+                self.l3.fetch_timing(seconds)
         for counts, failed in ((meta.failed_jobs, True), (meta.completed_jobs, False)):
             for job_id, count in counts.items():
                 record = self._jobs.get(job_id)

@@ -471,6 +471,7 @@ class DraftOffloadWorker:
                 self._slot_checksums[result.slot] = list(result.layer_checksums)
             meta.completed_jobs[result.job_id] = 1
             meta.fetched_successors[result.job_id] = list(result.successors)
+            meta.fetch_seconds[result.job_id] = result.seconds
             assert self.layout is not None
             self.stats.record_transfer(
                 "load",

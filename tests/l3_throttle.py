@@ -1,0 +1,51 @@
+"""A latency throttle around a real LMCache connector (not a mock of the tier).
+
+Every `exists`/`get` the L3Store sends to its connector first sleeps on the
+store's event loop, so concurrent calls overlap the way a remote backend's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vllm_draft_offload.l3_store import L3Store
+
+
+class SlowConnector:
+    def __init__(self, inner: Any, delays: dict[str, float]) -> None:
+        self._inner = inner
+        self._delays = delays
+        # Reads sleeping at once (all on the store's loop thread: no lock needed).
+        self.gets_in_flight = self.max_gets_in_flight = 0
+        self.exists_in_flight = self.max_exists_in_flight = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def exists(self, key: Any) -> bool:
+        self.exists_in_flight += 1
+        self.max_exists_in_flight = max(self.max_exists_in_flight, self.exists_in_flight)
+        try:
+            await asyncio.sleep(self._delays.get("exists", 0.0))
+        finally:
+            self.exists_in_flight -= 1
+        return await self._inner.exists(key)
+
+    async def get(self, key: Any) -> Any:
+        self.gets_in_flight += 1
+        self.max_gets_in_flight = max(self.max_gets_in_flight, self.gets_in_flight)
+        try:
+            await asyncio.sleep(self._delays.get("get", 0.0))
+        finally:
+            self.gets_in_flight -= 1
+        return await self._inner.get(key)
+
+
+def throttle(store: L3Store | None, **delays: float) -> SlowConnector:
+    """Delay `store`'s connector calls, e.g. throttle(store, exists=0.05, get=0.1)."""
+    assert store is not None and store.check_health(), "throttle needs a connected store"
+    assert store._conn is not None
+    slow = SlowConnector(store._conn, delays)
+    store._conn = slow  # type: ignore[assignment]
+    return slow

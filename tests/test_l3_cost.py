@@ -1,0 +1,256 @@
+"""The L3 cost policy: estimators, and the policy on a real engine with real storage
+made slow by a throttle (tests/l3_throttle.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kv_sim import SimEngine, prompt
+from l3_throttle import throttle
+from test_l3_tier import CHUNK, finish_l3_writes, l3_engine, redis_url  # noqa: F401
+from test_metrics import clean_registry, vllm_config  # noqa: F401
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate
+from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.metrics_prom import PREFIX
+
+
+def test_prefill_fit_recovers_step_cost_despite_outliers() -> None:
+    rng = np.random.default_rng(0)
+    a, b, c = 0.004, 2e-5, 1e-9
+    est = PrefillEstimate()
+    for i in range(200):
+        tokens = int(rng.integers(1, 4096))
+        context = int(rng.integers(0, 32768))
+        attention = tokens * (context + tokens / 2)
+        seconds = a + b * tokens + c * attention
+        if i % 10 == 0:
+            seconds += 5.0  # the engine sat idle, or the step waited on I/O
+        est.observe(tokens, attention, seconds * (1 + 0.01 * rng.standard_normal()))
+    assert est.coef is not None
+    assert est.coef[1] == pytest.approx(b, rel=0.1)
+    assert est.coef[2] == pytest.approx(c, rel=0.1)
+    # The back of a long prefix costs more to recompute than its front.
+    assert est.recompute_s(16384, 256) > 1.5 * est.recompute_s(0, 256)  # type: ignore[operator]
+
+
+def test_prefill_is_unknown_until_a_prefill_step_was_seen() -> None:
+    est = PrefillEstimate()
+    for _ in range(50):
+        est.observe(1, 100.0, 0.01)  # decode steps only
+    assert est.recompute_s(0, 256) is None
+
+
+def test_storage_estimate_replaces_the_prior_and_tracks_changes() -> None:
+    storage = StorageEstimate(unit_bytes=40 << 20, parallel=4)
+    assert storage.stale()
+    assert storage.unit_s > 0.15  # 40 MiB at the 0.25 GB/s prior
+    storage.observe_fetch(0.02)
+    assert storage.unit_s == pytest.approx(0.02) and not storage.stale()
+    assert storage.load_s(8) == pytest.approx(2 * 0.02)  # 4 threads: 2 rounds
+    for _ in range(30):
+        storage.observe_fetch(1.0)
+    assert storage.unit_s > 0.9
+
+
+def _model(unit_s: float) -> CostModel:
+    model = CostModel(chunk_size=256, unit_bytes=1 << 20, parallel=2)
+    for tokens in (1, 1, 1, 256, 512, 1024, 2048, 4096):
+        context = 1000
+        model.prefill.observe(
+            tokens,
+            tokens * (context + tokens / 2),
+            0.002 + 1e-5 * tokens + 1e-10 * tokens * context,
+        )
+    model.storage.observe_fetch(unit_s)
+    return model
+
+
+def test_no_hit_before_storage_was_timed() -> None:
+    model = _model(unit_s=0.0001)
+    model.storage = StorageEstimate(unit_bytes=1, parallel=2)
+    assert model.chunks_worth_loading(0, 16, round_trip=False) == 0
+
+
+def test_cost_model_takes_fast_hits_and_declines_slow_ones() -> None:
+    assert _model(unit_s=0.0001).chunks_worth_loading(0, 16, round_trip=False) == 16
+    assert _model(unit_s=1.0).chunks_worth_loading(0, 16, round_trip=False) == 0
+    # Deep in a long context the same chunks cost more to recompute: loading wins there.
+    model = _model(unit_s=0.004)
+    assert model.chunks_worth_loading(0, 1, round_trip=False) == 0
+    assert model.chunks_worth_loading(400, 16, round_trip=False) == 16
+    # Unknown engine speed: never risk a hit.
+    assert CostModel(256, 1 << 20, 2).chunks_worth_loading(0, 16, round_trip=False) == 0
+
+
+# ------------------------------------------------------------ on a real engine
+
+PROMPT_CHUNKS = 8
+
+
+def _filled_storage(model_dirs: tuple[Path, Path], url: str) -> list[list[int]]:
+    prompts = [prompt(50 + i, PROMPT_CHUNKS * CHUNK + 5) for i in range(2)]
+    first = l3_engine(model_dirs, url)
+    for i, tokens in enumerate(prompts):
+        first.add_request(f"fill{i}", tokens, max_tokens=1)
+    first.run_until_done()
+    finish_l3_writes(first)
+    first.worker.shutdown()
+    return prompts
+
+
+def _restarted(
+    model_dirs: tuple[Path, Path], url: str, policy: str, io_threads: int = 2
+) -> SimEngine:
+    l3 = {"enabled": True, "hit_policy": policy, "io_threads": io_threads}
+    eng = l3_engine(model_dirs, url, extra_config={"l3": l3})
+    # A fresh prompt first: the engine's prefill speed is measured on it.
+    eng.add_request("warmup", prompt(59, PROMPT_CHUNKS * CHUNK + 5), max_tokens=8)
+    eng.run_until_done()
+    return eng
+
+
+def _serve(eng: SimEngine, req_id: str, tokens: list[int]) -> dict:
+    eng.evict_gpu_kv()
+    eng.take_published()
+    eng.add_request(req_id, tokens, max_tokens=1)
+    eng.run_prefill(req_id)
+    assert eng.mismatched_positions(req_id) == []
+    eng.run_until_done()
+    return eng.take_published()
+
+
+@pytest.mark.parametrize("policy", ["cost", "always"])
+def test_slow_storage_hits_are_declined_and_counted(
+    model_dirs: tuple[Path, Path], tmp_path: Path, policy: str
+) -> None:
+    _slow_storage(model_dirs, f"fs://{tmp_path / 'l3'}", policy)
+
+
+def test_slow_redis_hits_are_declined_and_counted(
+    model_dirs: tuple[Path, Path],
+    redis_url: str,  # noqa: F811
+) -> None:
+    _slow_storage(model_dirs, redis_url, "cost")
+
+
+def _slow_storage(model_dirs: tuple[Path, Path], url: str, policy: str) -> None:
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, policy)
+    # 0.1 s per unit read: 8 units on 2 threads load in 0.4 s, far slower than
+    # the simulated prefill.
+    throttle(eng.worker.worker.l3.store, get=0.1)
+    _serve(eng, "first", prompts[0])  # measures the storage (a probe, or a hit if always)
+    published = _serve(eng, "second", prompts[1])
+    if policy == "always":
+        assert eng.external_hits["second"] == PROMPT_CHUNKS * CHUNK
+        assert "l3_declined" not in published or not published["l3_declined"]
+    else:
+        assert eng.external_hits["second"] == 0
+        # Storage measured slow: the lookup itself is skipped.
+        assert published["l3_declined"] == {"not_looked_up": PROMPT_CHUNKS}
+        assert published["chunks"].get("load/l3", 0) == 0
+    eng.worker.shutdown()
+
+
+def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    # 8 read threads: the 8 units load in one round, so the probe's timing (taken
+    # while the simulated prefill competes for the GIL) keeps a wide margin.
+    eng = _restarted(model_dirs, url, "cost", io_threads=8)
+    published = _serve(eng, "probe", prompts[0])  # storage speed unknown yet
+    assert eng.external_hits["probe"] == 0
+    assert published["chunks"]["load/l3"] == 1  # the background probe
+    published = _serve(eng, "hit", prompts[1])
+    cost = eng.scheduler.connector.scheduler.l3.cost
+    recompute = cost.prefill.recompute_s(0, PROMPT_CHUNKS * CHUNK)
+    diagnosis = f"unit {cost.storage.unit_s:.4f} s, recompute {recompute} s"
+    assert eng.external_hits["hit"] == PROMPT_CHUNKS * CHUNK, diagnosis
+    assert published["chunks"]["load/l3"] == PROMPT_CHUNKS
+    assert not published.get("l3_declined")
+    eng.worker.shutdown()
+
+
+def test_never_reads_storage(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "never")
+    published = _serve(eng, "never", prompts[0])
+    assert eng.external_hits["never"] == 0
+    assert "l3" not in published["hits"] and "l3" not in published["misses"]
+    eng.worker.shutdown()
+
+
+def test_unknown_engine_speed_declines_and_probes(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Right after a restart nothing is known: recompute, and fetch one unit to measure."""
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = l3_engine(model_dirs, url, extra_config={"l3": {"enabled": True}})
+    published = _serve(eng, "cold", prompts[0])
+    assert eng.external_hits["cold"] == 0
+    assert published["l3_declined"] == {"slower_than_recompute": PROMPT_CHUNKS}
+    assert published["chunks"].get("load/l3") == 1  # the probe
+    sched = eng.scheduler.connector.scheduler
+    assert sched.l3.cost.storage.samples == 1
+    eng.worker.shutdown()
+
+
+def test_unknown_hit_policy_names_the_field() -> None:
+    from vllm_draft_offload.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.l3\.hit_policy"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "l3": {"hit_policy": "sometimes"}})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_clock_pairs_steps_with_their_outputs(async_scheduling: bool) -> None:
+    """Each step is charged its own device time, whether vLLM schedules one step
+    ahead (async scheduling) or not, and an idle engine adds nothing."""
+    now = [0.0]
+    model = CostModel(256, 1 << 20, 2, clock=lambda: now[0])
+    seen: list[tuple[float, float]] = []
+    model.prefill.observe = lambda tokens, attention, seconds: seen.append((tokens, seconds))  # type: ignore[method-assign]
+    durations = {1: 0.01, 512: 0.2}
+    steps = [512, 1, 1, 512, 1]
+    if async_scheduling:
+        model.step_scheduled([(steps[0], 0)])
+        for i, tokens in enumerate(steps):
+            if i + 1 < len(steps):
+                model.step_scheduled([(steps[i + 1], 0)])  # scheduled while step i runs
+            now[0] += durations[tokens]
+            model.step_output()
+    else:
+        for tokens in steps:
+            now[0] += 5.0  # idle engine between requests
+            model.step_scheduled([(tokens, 0)])
+            now[0] += durations[tokens]
+            model.step_output()
+    assert seen == [(t, pytest.approx(durations[t])) for t in steps]
+
+
+def test_declined_chunks_reach_prometheus_and_the_log_line(
+    vllm_config: VllmConfig,  # noqa: F811
+    clean_registry: Any,  # noqa: F811
+) -> None:
+    prom = KVConnectorProm(vllm_config, ["model_name", "engine"], {0: ["m", "0"]})
+
+    def declined() -> float | None:
+        return clean_registry.get_sample_value(
+            PREFIX + "l3_declined_chunks_total",
+            {"model_name": "m", "engine": "0", "cause": "slower_than_recompute"},
+        )
+
+    assert declined() == 0  # pre-created
+    stats = DraftOffloadStats()
+    stats.record_l3_declined("slower_than_recompute", 5)
+    prom.observe(stats.to_dict(), engine_idx=0)
+    assert declined() == 5
+    assert stats.reduce()["l3_declined_chunks"] == 5
