@@ -24,6 +24,7 @@ from vllm_draft_offload.hit_logic import (
     match_prefix,
     storable_chunk_limit,
 )
+from vllm_draft_offload.l3_writes import L3WritePlanner, PlannedUnit, part_remover
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
     DraftOffloadWorkerMetadata,
@@ -113,8 +114,17 @@ class DraftOffloadScheduler:
                 self.stats,
                 lambda: next(self._job_ids),
             )
-        # store job id -> [units pinned until their L3 copy is taken, reports]
-        self._snapshot_pins: dict[int, list] = {}
+        self.l3_writes: L3WritePlanner | None = None
+        if self.l3 is not None:
+            self.l3_writes = L3WritePlanner(
+                self.index,
+                layout.unit_bytes,
+                config.pending_write_bytes,
+                world_size,
+                self.stats,
+                lambda: next(self._job_ids),
+                part_remover(self.l3.lookup.store, world_size),
+            )
         self.audit = RecomputeAudit(
             config.audit_recompute_fraction,
             self.index,
@@ -273,9 +283,7 @@ class DraftOffloadScheduler:
 
     def _plan_stores(
         self, state: RequestState, computed_after_step: int, block_ids: tuple[list[int], ...]
-    ) -> tuple[
-        list[UnitId], list[list[int]], list[list[int]], list[tuple[int, bytes, tuple[int, ...]]]
-    ]:
+    ) -> tuple[list[UnitId], list[list[int]], list[list[int]], list[PlannedUnit]]:
         request = state.request
         tokens = request.all_token_ids
         limit = storable_chunk_limit(
@@ -287,7 +295,7 @@ class DraftOffloadScheduler:
             self.config.store_decode,
         )
         units: list[UnitId] = []
-        l3_units: list[tuple[int, bytes, tuple[int, ...]]] = []
+        l3_units: list[PlannedUnit] = []
         host_pages: list[list[int]] = [[] for _ in self.layout.groups]
         gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
         if limit <= state.next_store_chunk or len(tokens) < self.config.min_store_tokens:
@@ -307,9 +315,13 @@ class DraftOffloadScheduler:
                 continue
             entry = self.index.reserve(unit_id)
             if entry is None:
+                if self.l3_writes is not None:
+                    self.l3_writes.relieve()  # frees a slot once the workers confirm
                 break  # every slot is storing or being loaded; try later chunks later
             units.append(unit_id)
-            l3_units.append((entry.slot, keys[chunk], successors))
+            if self.l3_writes is not None:
+                pred = keys[chunk - 1] if chunk else None
+                l3_units.append(PlannedUnit(unit_id, entry.slot, chunk, pred))
             self.layout.add_chunk_pages(
                 host_pages, gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
             )
@@ -334,13 +346,9 @@ class DraftOffloadScheduler:
             host_pages,
             gpu_blocks,
             finishing=finishing,
-            l3_units=l3_units if self.l3 is not None else [],
+            # Pinned until every worker has its bytes in LMCache's staging buffer.
+            l3_units=self.l3_writes.plan(l3_units) if self.l3_writes is not None else [],
         )
-        if job.l3_units:
-            # Not evictable until every worker has copied it out for its L3 write.
-            for unit_id in units:
-                self.index.pin(unit_id)
-            self._snapshot_pins[job.job_id] = [units, 0]
         self._add_job(job.job_id, JobRecord(state.request.request_id, "store", units))
         state.inflight_jobs.add(job.job_id)
         return job
@@ -379,6 +387,8 @@ class DraftOffloadScheduler:
             # Its blocks are gone; a resumed request re-looks-up from scratch.
             state.next_store_chunk = 0
             self.audit.release(req_id)
+        if self.l3_writes is not None:
+            meta.l3_cancel_writes = self.l3_writes.take_cancels()
         return meta
 
     def request_finished(
@@ -418,14 +428,8 @@ class DraftOffloadScheduler:
         if not isinstance(meta, DraftOffloadWorkerMetadata):
             return
         self.audit.on_output(meta)
-        for job_id, count in meta.snapshot_jobs.items():
-            pins = self._snapshot_pins.get(job_id)
-            if pins is not None:
-                pins[1] += count
-                if pins[1] >= self.world_size:
-                    del self._snapshot_pins[job_id]
-                    for unit_id in pins[0]:
-                        self.index.unpin(unit_id)
+        if self.l3_writes is not None:
+            self.l3_writes.on_output(meta)
         for job_id, cause in meta.failure_causes.items():
             record = self._jobs.get(job_id)
             if record is not None:
@@ -481,9 +485,13 @@ class DraftOffloadScheduler:
         Jobs that have not moved for STALL_S (a worker gone during shutdown,
         say) stop holding the engine loop, so it can never spin forever.
         """
+        now = time.monotonic()
+        writes = self.l3_writes
+        if writes is not None and writes.has_work() and now - writes.last_progress < STALL_S:
+            return True  # L3 writes drain while the engine is otherwise idle
         if not self._jobs:
             return False
-        if time.monotonic() - self._last_progress < STALL_S:
+        if now - self._last_progress < STALL_S:
             return True
         logger.warning(
             "DraftOffloadConnector: %d transfer job(s) made no progress for %.0f s",
@@ -491,6 +499,10 @@ class DraftOffloadScheduler:
             STALL_S,
         )
         return False
+
+    def shutdown(self) -> None:
+        if self.l3_writes is not None:
+            self.l3_writes.close()
 
     def has_finishing_stores(self) -> bool:
         return any(
