@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from kv_sim import SimEngine, prompt
+from redis_fixture import RedisServer, redis_server_binary
 from test_l3_tier import CHUNK, L3_EXTRA, l3_engine
 
 from vllm_draft_offload import l3_tier
@@ -85,10 +86,24 @@ def l3_units_of(eng: SimEngine) -> int:
     return eng.worker.worker.layout.unit_bytes
 
 
+@pytest.fixture(params=["fs", "redis"])
+def l3_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "fs":
+        yield f"fs://{tmp_path / 'l3'}"
+        return
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed")
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
 def test_burst_keeps_every_prompts_head_and_drops_tails(
-    model_dirs: tuple[Path, Path], tmp_path: Path
+    model_dirs: tuple[Path, Path], tmp_path: Path, l3_url: str
 ) -> None:
-    url = f"fs://{tmp_path / 'l3'}"
+    url = l3_url
     probe = l3_engine(model_dirs, url)
     unit = l3_units_of(probe)
     probe.worker.shutdown()
@@ -119,8 +134,9 @@ def test_burst_keeps_every_prompts_head_and_drops_tails(
     finally:
         store.close()
     assert present == expected
-    files = [p for p in (tmp_path / "l3").rglob("*") if p.is_file()]
-    assert len(files) == len(expected), files
+    if url.startswith("fs://"):  # nothing else was written, not even a temp file
+        files = [p for p in (tmp_path / "l3").rglob("*") if p.is_file()]
+        assert len(files) == len(expected), files
     assert dropped == 12 - len(expected)
 
 
@@ -323,3 +339,36 @@ def test_io_threads_default_from_host_and_flush_timeout_checked() -> None:
         parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"flush_timeout_s": -1}})
     with pytest.raises(ConfigError, match=r"l3\.io_threads"):
         parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 0}})
+
+
+def test_full_cpu_tier_drops_queued_tails_instead_of_blocking_stores(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    url = f"fs://{tmp_path / 'l3'}"
+    probe = l3_engine(model_dirs, url)
+    unit = l3_units_of(probe)
+    probe.worker.shutdown()
+    # Four slots, writes stuck: A's four queued units pin the whole CPU tier.
+    l3 = {"enabled": True, "timeout_s": 2.0, "max_pending_write_bytes": 4 * unit}
+    eng = l3_engine(model_dirs, url, cpu_units=4, extra_config={"l3": l3})
+    a, b = prompt(54, 4 * CHUNK + 3), prompt(55, 2 * CHUNK + 3)
+    sched = eng.scheduler.connector.scheduler
+    with writes_held(eng):
+        eng.add_request("A", a, max_tokens=1)
+        serve(eng)
+        assert sched.l3_writes is not None and sched.l3_writes.num_pending() == 4
+        eng.add_request("B", b, max_tokens=4)
+        serve(eng)
+        # B's stores took slots from A's deepest queued writes, not from its heads.
+        b_keys = chunk_keys(eng, b)[:2]
+        assert any(sched.index.ready_variants(key) for key in b_keys)
+        a_keys = chunk_keys(eng, a)[:4]
+        assert sched.index.ready_variants(a_keys[0])
+    settle_writes(eng)
+    eng.worker.shutdown()
+    store = store_for(url)
+    try:
+        assert store.contains(object_key(a_keys[0], 0))
+        assert not store.contains(object_key(a_keys[3], 0))
+    finally:
+        store.close()

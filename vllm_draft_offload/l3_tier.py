@@ -245,7 +245,12 @@ class WorkerL3:
             store.put_with(object_key(order.chunk_key, self.rank), frame.nbytes, fill)
             ok = True
         except L3Error as exc:
-            logger.warning("DraftOffloadConnector: L3 write failed: %s", exc)
+            # A backend that is down fails every write at once; the store has already
+            # warned that it went down, so do not repeat that once per unit.
+            quiet = exc.kind in ("unavailable", "closed")
+            (logger.debug if quiet else logger.warning)(
+                "DraftOffloadConnector: L3 write failed: %s", exc
+            )
         except Exception:  # never let a storage bug reach the serving loop
             logger.exception("DraftOffloadConnector: unexpected L3 write error")
         finally:
