@@ -213,6 +213,14 @@ def test_tp2_unit_is_present_only_when_every_rank_wrote_it(
     assert entry is not None
     assert planner.plan([PlannedUnit(entry.unit_id, entry.slot, 1, keys[0])]) == []
     assert stats.data["fallbacks"]["l3_write_dropped"] == 1
+    # A rank whose CPU store of a unit failed has nothing to write: it says so.
+    spare = index.reserve((bytes([9]) * 32, ()))
+    assert spare is not None
+    orphan = planner.plan([PlannedUnit(spare.unit_id, spare.slot, 0, None)])
+    rank1.expect_writes(orphan)
+    rank1.fail_writes(orphan)
+    reports = [rank1.write_reports.get_nowait() for _ in range(2)]
+    assert reports == [("released", orphan[0].write_id), ("failed", orphan[0].write_id)]
     rank1.close(0)
     eng.worker.shutdown()
 

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Chunk keys remembered as written / absent; a key is 32 bytes, so this is a few MB.
-RECORD_KEYS = 1 << 18
+# Chunk keys remembered as written / absent (about 10 MB each at most): 65536
+# units of an 8B-sized model are 2.4 TB of storage.
+RECORD_KEYS = 1 << 16
 
 
 @dataclass
