@@ -153,6 +153,12 @@ class L3WritePlanner:
             accepted.append(write)
         if accepted and len(self._writes) == len(accepted):
             self.last_progress = time.monotonic()  # the stall clock starts now
+        for write in accepted:
+            if write.cancelled:
+                # Given up before any worker saw it: no worker will ever report it.
+                self._cancels.remove(write.order.write_id)
+                write.failed = self.world_size
+                self._finish(write)
         return [write.order for write in accepted if not write.cancelled]
 
     def relieve(self) -> bool:
