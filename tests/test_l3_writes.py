@@ -343,6 +343,8 @@ def test_io_threads_default_from_host_and_flush_timeout_checked() -> None:
     assert config.pending_write_bytes == 1 << 29
     explicit = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 3}})
     assert explicit.l3.io_threads == 3
+    auto = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": None}})
+    assert auto.l3.io_threads == config.l3.io_threads
     with pytest.raises(ConfigError, match=r"l3\.flush_timeout_s"):
         parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"flush_timeout_s": -1}})
     with pytest.raises(ConfigError, match=r"l3\.io_threads"):
