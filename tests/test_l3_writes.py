@@ -290,8 +290,15 @@ def test_shutdown_flushes_queued_writes_or_counts_them_lost(
         eng.add_request("r", tokens, max_tokens=1)
         serve(eng)
         assert worker_l3.pending_writes() == 3
-        # The disk catches up during the flush (lands) or only after its timeout.
-        threading.Timer(0.3 if lands else 1.0, release.set).start()
+
+        # The disk catches up during the flush (lands), or only once the flush has
+        # given up (no clock involved: the release waits for the lost count).
+        def catch_up() -> None:
+            while not lands and worker_l3.lost_at_shutdown == 0:
+                time.sleep(0.01)
+            release.set()
+
+        threading.Thread(target=catch_up, daemon=True).start()
         eng.worker.shutdown()
     fallbacks = eng.worker.worker.stats.data.get("fallbacks", {})
     store = store_for(url)
