@@ -21,10 +21,12 @@ from vllm_draft_offload.unit_codec import (
     UnitRejected,
     decode_unit,
     encode_unit,
+    encode_unit_into,
     layer_view,
     make_header,
     pack_unit,
     read_header,
+    unit_frame,
     verify_layer,
 )
 
@@ -118,6 +120,31 @@ def test_encode_unit_and_make_header_agree_with_pack_unit(
     )
     assert h2 == header
     assert encode_unit(h2, payload, verify=True) == blob
+
+
+@pytest.mark.parametrize("successors", [(), SUCC, (1, 22, 333, 4444)])
+def test_in_place_encode_gives_the_same_blob(
+    unit: tuple[list[tuple[str, bool, bytes]], UnitHeader, bytes], successors: tuple[int, ...]
+) -> None:
+    layers, _, _ = unit
+    specs = [LayerSpec(n, d, len(b)) for n, d, b in layers]
+    fields: dict[str, object] = {
+        "key": KEY,
+        "geometry_fingerprint": FP,
+        "drafter_id": DRAFTER,
+        "num_tokens": 16,
+        "layers": specs,
+        "successor_tokens": successors,
+    }
+    frame = unit_frame(**fields)  # type: ignore[arg-type]
+    out = bytearray(b"\xee" * frame.nbytes)
+    out[frame.header_nbytes :] = b"".join(b for _, _, b in layers)
+    header = encode_unit_into(memoryview(out), frame, **fields)  # type: ignore[arg-type]
+    _, blob = _pack(layers, successor_tokens=successors)
+    assert bytes(out) == blob
+    assert decode_unit(bytes(out), _expected(layers, successor_tokens=successors))[0] == header
+    with pytest.raises(ValueError, match="needs"):
+        encode_unit_into(memoryview(out)[:-1], frame, **fields)  # type: ignore[arg-type]
 
 
 def test_empty_successor_list_round_trips() -> None:

@@ -7,9 +7,10 @@ that names the field instead of silently running without offload.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # Keys LMCache reads itself; they are passed through to the L3 tier untouched.
 LMCACHE_KEY_PREFIX = "lmcache."
@@ -29,15 +30,32 @@ class L3Config(BaseModel):
     # path, or `lmcache.*` keys collected from the extra config.
     config_file: str | None = None
     lmcache: dict[str, Any] = Field(default_factory=dict)
-    # Bytes of units copied out for L3 writes and not yet written; past it new
-    # units are dropped (counted), so a slow backend never stalls decode or grows
-    # memory. 4 GiB holds a 16k-token prefix of a Llama-3-8B-sized target+drafter.
-    max_pending_write_bytes: int = Field(default=4 << 30, gt=0)
-    io_threads: int = Field(default=2, ge=1, le=64)
+    # Bytes of units queued for an L3 write whose bytes are not yet in LMCache's
+    # staging buffer. They stay pinned in the CPU tier meanwhile, so this is a share
+    # of the CPU budget, never extra memory; past it a prompt's deepest queued
+    # chunks are dropped (counted). None: half of cpu_bytes_to_use.
+    max_pending_write_bytes: int | None = Field(default=None, gt=0)
+    # Threads per worker for storage reads, and as many for writes. None: sized
+    # from the host (half the cores, 2 to 16).
+    io_threads: int = Field(default_factory=lambda: default_io_threads(), ge=1, le=64)
     timeout_s: float = Field(default=5.0, gt=0)
     # cost: fetch the part of a storage hit that loads faster than it recomputes
     # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
     hit_policy: Literal["cost", "always", "never"] = "cost"
+    # At shutdown, how long a worker waits for queued writes to land; the rest are
+    # counted as l3_write_lost_shutdown.
+    flush_timeout_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)
+
+    @field_validator("io_threads", mode="before")
+    @classmethod
+    def _auto_io_threads(cls, value: Any) -> Any:
+        return default_io_threads() if value is None else value
+
+
+def default_io_threads() -> int:
+    """Half the host's cores, at least 2 and at most 16: storage I/O is mostly
+    waiting, and more threads than that only add contention for the GIL."""
+    return min(16, max(2, (os.cpu_count() or 4) // 2))
 
 
 class DraftOffloadConfig(BaseModel):
@@ -84,12 +102,19 @@ class DraftOffloadConfig(BaseModel):
                 f"than one chunk of target+draft KV ({unit_bytes} bytes for chunk_size="
                 f"{self.chunk_size}); raise it or lower chunk_size"
             )
-        if self.l3.enabled and self.l3.max_pending_write_bytes < unit_bytes:
+        pending = self.l3.max_pending_write_bytes
+        if self.l3.enabled and pending is not None and pending < unit_bytes:
             raise ConfigError(
                 "kv_connector_extra_config.l3.max_pending_write_bytes="
-                f"{self.l3.max_pending_write_bytes} is smaller than one chunk of target+draft "
+                f"{pending} is smaller than one chunk of target+draft "
                 f"KV ({unit_bytes} bytes): no unit could ever be written to L3"
             )
+
+    @property
+    def pending_write_bytes(self) -> int:
+        """Resolved `l3.max_pending_write_bytes` (None: half the CPU tier)."""
+        pending = self.l3.max_pending_write_bytes
+        return pending if pending is not None else self.cpu_bytes // 2
 
 
 def parse_config(extra_config: dict[str, Any] | None) -> DraftOffloadConfig:

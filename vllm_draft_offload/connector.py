@@ -193,8 +193,13 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta() if self._worker is not None else None
 
     def shutdown(self) -> None:
+        # vLLM 0.33: workers call this from ensure_kv_transfer_shutdown (Worker.shutdown),
+        # and EngineCore.shutdown then calls Scheduler.shutdown, which calls it on the
+        # scheduler's connector; workers flush their L3 writes there.
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # --------------------------------------------------------- scheduler side
 

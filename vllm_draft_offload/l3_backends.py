@@ -283,8 +283,15 @@ class StagingBackend(LocalCPUBackend):
     def bytes_in_use(self) -> int:
         return int(self.memory_allocator.allocator.total_allocated_size)  # type: ignore[attr-defined]
 
-    def allocate_unit(self, nbytes: int) -> MemoryObj | None:
-        return self.allocate(torch.Size([1, 1, 1, nbytes]), UNIT_DTYPE, UNIT_FMT)
+    def allocate_unit(self, nbytes: int, *, count_failure: bool = True) -> MemoryObj | None:
+        shape = torch.Size([1, 1, 1, nbytes])
+        if count_failure:
+            return self.allocate(shape, UNIT_DTYPE, UNIT_FMT)
+        # A writer polling for room: its misses must not look like a failed read's
+        # (get() compares alloc_failures before and after the connector's call).
+        return LocalCPUBackend.allocate(
+            self, shape, UNIT_DTYPE, UNIT_FMT, eviction=False, busy_loop=False
+        )
 
 
 def create_connector(

@@ -195,10 +195,25 @@ class L3Store:
 
     def put(self, key: str, blob: bytes | bytearray | memoryview) -> None:
         mv = memoryview(blob).cast("B")
-        n = mv.nbytes
+
+        def copy_in(buf: memoryview) -> None:
+            buf[:] = mv
+
+        self.put_with(key, mv.nbytes, copy_in)
+
+    def put_with(self, key: str, nbytes: int, fill: Callable[[memoryview], None]) -> None:
+        """Write an ``nbytes`` object that ``fill`` writes straight into LMCache's staging buffer.
+
+        The staging buffer is the one copy a write needs: it belongs to LMCache, so a
+        timed-out put that finishes later in the background never reads a caller
+        buffer that has since been reused. ``fill`` runs on the calling thread; once
+        it returns, the caller's source may be reused. If it raises, nothing is
+        written and the buffer goes back to the pool. Waits up to ``timeout_s`` for
+        staging room held by other calls.
+        """
         limit = min(self.settings.staging_bytes, MAX_OBJECT_BYTES)
-        if n == 0 or n > limit:
-            raise L3Error("too_large", f"{n} bytes; limit is {limit}", op="put", key=key)
+        if nbytes <= 0 or nbytes > limit:
+            raise L3Error("too_large", f"{nbytes} bytes; limit is {limit}", op="put", key=key)
         lkey = self._key(key, "put")
         with self._state:
             # FSConnector writes every put of a key through one shared "<name>.tmp" path, so
@@ -210,18 +225,28 @@ class L3Store:
         try:
             deadline = time.monotonic() + self.settings.timeout_s
             conn = self._acquire("put", key, deadline)
-            obj = self._backend.allocate_unit(n)
+            obj = self._allocate_until(nbytes, deadline)
             if obj is None:
-                raise L3Error("staging_exhausted", f"no room for {n} bytes", op="put", key=key)
-            # Copying into LMCache-owned memory makes a timed-out put safe. The write may
-            # still finish later in the background, and it must never see a caller buffer
-            # that has since been reused. The allocator frees obj when the connector is done
+                raise L3Error("staging_exhausted", f"no room for {nbytes} bytes", op="put", key=key)
+            try:
+                fill(obj.byte_array.cast("B"))
+            except BaseException:
+                obj.ref_count_down()
+                raise
+            # The allocator frees obj when the connector is done with it
             # (InstrumentedRemoteConnector.put drops the reference).
-            obj.byte_array.cast("B")[:] = mv
             self._run("put", key, lkey, lambda c, k: c.put(k, obj), conn=conn, deadline=deadline)
         finally:
             with self._state:
                 self._puts_in_flight.discard(key)
+
+    def _allocate_until(self, nbytes: int, deadline: float) -> MemoryObj | None:
+        """A staging buffer, waiting for other calls to free room (no free-event exists)."""
+        while True:
+            obj = self._backend.allocate_unit(nbytes, count_failure=False)
+            if obj is not None or time.monotonic() >= deadline or self._closed:
+                return obj
+            time.sleep(0.002)
 
     def get(self, key: str) -> bytes | None:
         """Returns the stored bytes unchanged, or None when the key is absent."""

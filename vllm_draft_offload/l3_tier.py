@@ -11,19 +11,23 @@ served and vLLM recomputes it; nothing here raises into the serving loop.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.metadata import L3WriteOrder
 from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import (
     ExpectedUnit,
@@ -31,8 +35,8 @@ from vllm_draft_offload.unit_codec import (
     UnitHeader,
     UnitRejected,
     decode_unit,
-    encode_unit,
-    make_header,
+    encode_unit_into,
+    unit_frame,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,11 +65,13 @@ def open_store(config: L3Config) -> L3Store | None:
     return store
 
 
-@dataclass(frozen=True)
-class UnitToWrite:
-    slot: int
-    chunk_key: bytes
-    successors: tuple[int, ...]
+def write_concurrency(io_threads: int, store: L3Store | None, unit_bytes: int) -> int:
+    """Writes in flight per worker: io_threads, as far as half the staging pool holds
+    them (the other half stays free for fetches, which a request waits on)."""
+    if store is None:
+        return 1
+    per_write = unit_bytes + (64 << 10)  # payload plus a generous header
+    return max(1, min(io_threads, store.settings.staging_bytes // 2 // per_write))
 
 
 @dataclass(frozen=True)
@@ -101,79 +107,161 @@ class WorkerL3:
         )
         self.store = open_store(config)
         # Separate pools: a fetch has a request waiting on it and must never queue
-        # behind the write-behind of a long prompt (one write task holds a thread
-        # for all the units of its store job).
+        # behind write-behind. Writes run one unit per task, as many at once as the
+        # staging pool allows.
+        self.write_threads = write_concurrency(config.io_threads, self.store, layout.unit_bytes)
         self._write_pool = ThreadPoolExecutor(
-            config.io_threads, thread_name_prefix="draft-offload-l3-write"
+            self.write_threads, thread_name_prefix="draft-offload-l3-write"
         )
         self._read_pool = ThreadPoolExecutor(
             config.io_threads, thread_name_prefix="draft-offload-l3-read"
         )
-        self._lock = threading.Lock()
-        self._pending_write_bytes = 0
-        self._writes: list[Future[None]] = []
-        self.snapshots_done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        # Write queue: orders whose store completed, shallowest chunk first, each
+        # written by whichever write task runs next (so a cancel can still take it).
+        self._write_cv = threading.Condition()
+        self._write_heap: list[tuple[int, int, L3WriteOrder]] = []
+        self._queued: dict[int, L3WriteOrder] = {}
+        self._awaiting_store: set[int] = set()
+        self._cancelled: set[int] = set()
+        self._writes_in_flight = 0
+        self._write_seq = itertools.count()
+        self.lost_at_shutdown = 0
+        # (released | ok | failed, write id), drained into the worker metadata.
+        self.write_reports: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self.fetches_done: queue.SimpleQueue[FetchResult] = queue.SimpleQueue()
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ writes
 
-    def write_units(self, job_id: int, raw_units: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
-        """Copy the units out of their slots, then write them; reports `job_id` once copied.
+    def expect_writes(self, orders: list[L3WriteOrder]) -> None:
+        """Orders of a store job just issued; they are queued once its copy lands."""
+        with self._write_cv:
+            self._awaiting_store.update(order.write_id for order in orders)
 
-        Units are admitted one by one while the write backlog has room, so a store
-        job larger than the backlog still writes its first units.
-        """
-        units = [UnitToWrite(*unit) for unit in raw_units]
-        unit_bytes = self.layout.unit_bytes
-        with self._lock:
-            room = self.config.max_pending_write_bytes - self._pending_write_bytes
-            admitted = units[: max(0, room // unit_bytes)] if self.store is not None else []
-            nbytes = unit_bytes * len(admitted)
-            self._pending_write_bytes += nbytes
-        for _ in range(len(units) - len(admitted)):
-            # Backlog full or no backend: drop the write, never stall or grow memory.
-            self.events.put(("fallback", "l3_write_dropped"))
-        if not admitted:
-            self.snapshots_done.put(job_id)
-            return
-        self._writes.append(self._write_pool.submit(self._write, job_id, admitted, nbytes))
-        self._writes = [w for w in self._writes if not w.done()]
+    def write_units(self, orders: list[L3WriteOrder]) -> None:
+        """The store of these units completed: queue their writes, one task each."""
+        queued = 0
+        with self._write_cv:
+            for order in orders:
+                self._awaiting_store.discard(order.write_id)
+                if order.write_id in self._cancelled:
+                    self._cancelled.discard(order.write_id)  # already reported
+                    continue
+                self._queued[order.write_id] = order
+                heapq.heappush(self._write_heap, (order.chunk, next(self._write_seq), order))
+                queued += 1
+        for _ in range(queued):
+            self._write_pool.submit(self._write_next)
 
-    def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every write issued so far has finished (or failed)."""
-        wait(list(self._writes), timeout=timeout_s)
+    def fail_writes(self, orders: list[L3WriteOrder]) -> None:
+        """The store of these units failed on this rank: there is nothing to write."""
+        with self._write_cv:
+            for order in orders:
+                self._awaiting_store.discard(order.write_id)
+                if order.write_id in self._cancelled:
+                    self._cancelled.discard(order.write_id)
+                    continue
+                self._give_up(order.write_id)
 
-    def _write(self, job_id: int, units: list[UnitToWrite], nbytes: int) -> None:
+    def cancel_writes(self, write_ids: list[int]) -> None:
+        """The scheduler dropped these writes; skip each one not staged yet."""
+        with self._write_cv:
+            for write_id in write_ids:
+                if write_id in self._awaiting_store:
+                    self._awaiting_store.discard(write_id)
+                    self._cancelled.add(write_id)
+                    self._give_up(write_id)
+                elif self._queued.pop(write_id, None) is not None:
+                    self._give_up(write_id)  # its heap entry is skipped when popped
+            self._write_cv.notify_all()
+
+    def _give_up(self, write_id: int) -> None:
+        self.write_reports.put(("released", write_id))
+        self.write_reports.put(("failed", write_id))
+
+    def pending_writes(self) -> int:
+        with self._write_cv:
+            return len(self._queued) + self._writes_in_flight
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued write has finished (or failed); False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._write_cv:
+            while self._queued or self._writes_in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._write_cv.wait(left)
+        return True
+
+    def _write_next(self) -> None:
+        with self._write_cv:
+            order = None
+            while self._write_heap:
+                _, _, candidate = heapq.heappop(self._write_heap)
+                if self._queued.pop(candidate.write_id, None) is not None:
+                    order = candidate
+                    break
+            if order is None:
+                return  # cancelled meanwhile
+            self._writes_in_flight += 1
         try:
-            blobs = []
-            for unit in units:
-                payload = self.pool.unit_view(unit.slot).numpy().copy()
-                blobs.append((unit, payload))
-            # The slots may be reused from here on: the copies are ours.
-            self.snapshots_done.put(job_id)
-            for unit, payload in blobs:
-                header = make_header(
-                    key=unit.chunk_key.hex(),
-                    geometry_fingerprint=self.fingerprint,
-                    drafter_id=self.drafter_id,
-                    num_tokens=self.layout.chunk_size,
-                    layers=self.layer_specs,
-                    payload=payload,
-                    successor_tokens=unit.successors,
+            self._write(order)
+        finally:
+            with self._write_cv:
+                self._writes_in_flight -= 1
+                self._write_cv.notify_all()
+
+    def _write(self, order: L3WriteOrder) -> None:
+        """Copy the slot once, straight into LMCache's staging buffer, and write it.
+
+        Whatever happens, the order is reported released (the slot may be reused)
+        and then ok or failed, exactly once each.
+        """
+        released = False
+        ok = False
+        try:
+            store = self.store
+            if store is None:
+                raise L3Error("unavailable", "no L3 backend", op="put")
+            fields = dict(
+                key=order.chunk_key.hex(),
+                geometry_fingerprint=self.fingerprint,
+                drafter_id=self.drafter_id,
+                num_tokens=self.layout.chunk_size,
+                layers=self.layer_specs,
+                successor_tokens=order.successors,
+            )
+            frame = unit_frame(**fields)
+
+            def fill(buf: memoryview) -> None:
+                nonlocal released
+                payload = torch.frombuffer(
+                    buf, dtype=torch.uint8, count=frame.payload_nbytes, offset=frame.header_nbytes
                 )
-                assert self.store is not None
-                self.store.put(object_key(unit.chunk_key, self.rank), encode_unit(header, payload))
-                self.events.put(("stored", unit.chunk_key.hex()))
+                payload.copy_(self.pool.unit_view(order.slot))
+                # The bytes are LMCache's now: the slot may be reused from here on.
+                released = True
+                self.write_reports.put(("released", order.write_id))
+                encode_unit_into(buf, frame, **fields)
+
+            store.put_with(object_key(order.chunk_key, self.rank), frame.nbytes, fill)
+            ok = True
         except L3Error as exc:
-            logger.warning("DraftOffloadConnector: L3 write failed: %s", exc)
-            self.events.put(("fallback", "store_failed"))
+            # A backend that is down fails every write at once; the store has already
+            # warned that it went down, so do not repeat that once per unit.
+            quiet = exc.kind in ("unavailable", "closed")
+            (logger.debug if quiet else logger.warning)(
+                "DraftOffloadConnector: L3 write failed: %s", exc
+            )
         except Exception:  # never let a storage bug reach the serving loop
             logger.exception("DraftOffloadConnector: unexpected L3 write error")
-            self.events.put(("fallback", "store_failed"))
         finally:
-            with self._lock:
-                self._pending_write_bytes -= nbytes
+            if not released:
+                self.write_reports.put(("released", order.write_id))
+            self.write_reports.put(("ok" if ok else "failed", order.write_id))
+            if ok:
+                self.events.put(("stored", order.chunk_key.hex()))
 
     # ------------------------------------------------------------------ fetches
 
@@ -228,11 +316,32 @@ class WorkerL3:
             logger.exception("DraftOffloadConnector: unexpected L3 read error")
             self.fetches_done.put(FetchResult(job_id, slot, None, "l3_corrupt"))
 
-    def close(self) -> None:
+    def close(self, flush_timeout_s: float | None = None) -> int:
+        """Flush queued writes for up to `flush_timeout_s` (default: the config's),
+        then stop; returns how many units could not be written (also logged)."""
+        timeout = self.config.flush_timeout_s if flush_timeout_s is None else flush_timeout_s
         self._read_pool.shutdown(wait=True, cancel_futures=True)
-        self._write_pool.shutdown(wait=True, cancel_futures=False)
+        if not self.flush(timeout):
+            with self._write_cv:
+                lost = len(self._queued) + self._writes_in_flight
+                for write_id in list(self._queued):
+                    self._give_up(write_id)
+                self._queued.clear()
+                self._write_heap.clear()
+            self.lost_at_shutdown += lost
+            logger.warning(
+                "DraftOffloadConnector: %d L3 write(s) not finished within "
+                "l3.flush_timeout_s=%.1f s at shutdown; those units are not in storage",
+                lost,
+                timeout,
+            )
+            self.events.put(("lost_shutdown", str(lost)))
+        # Writes still in flight fail fast once the store is closed.
+        self._write_pool.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             self.store.close()
+        self._write_pool.shutdown(wait=True)
+        return self.lost_at_shutdown
 
 
 # Lookups in flight at once. Each holds a thread only while it waits for its one

@@ -11,6 +11,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 
+@dataclass(frozen=True)
+class L3WriteOrder:
+    """One unit the scheduler wants written to L3 by every worker (TP rank).
+
+    The scheduler decides what is written, so all ranks write the same units; each
+    rank reports per order when the slot may be reused ("released": the bytes are
+    in LMCache's staging buffer, or the write was given up) and how it ended.
+    """
+
+    write_id: int
+    slot: int
+    chunk_key: bytes
+    successors: tuple[int, ...]
+    # Chunk index in its prompt: workers write shallow chunks first.
+    chunk: int
+
+
 @dataclass
 class TransferJob:
     """Copies between host slots and GPU blocks for one request.
@@ -33,9 +50,8 @@ class TransferJob:
     # Load only: GPU blocks of chunks whose unit is gone since the lookup; the
     # worker reports them as failed so vLLM recomputes them, and loads the rest.
     error_blocks: list[int] = field(default_factory=list)
-    # Store only, with an L3 tier: (slot, chunk key, successors) of each new unit,
-    # written to L3 once the store completes.
-    l3_units: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
+    # Store only, with an L3 tier: units to write to L3 once the store completes.
+    l3_units: list[L3WriteOrder] = field(default_factory=list)
     # Store only: load jobs of the same step that write GPU blocks this request's KV
     # was computed on (its own, or another request's it shares through vLLM's prefix
     # cache). If one of them fails, the store holds KV of a wrong prefix: dropped.
@@ -68,6 +84,9 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # as a decode step's), where per-layer hooks do not run: wait for all loads
     # before the forward instead of layer by layer.
     wait_loads_before_forward: bool = False
+    # L3 writes the scheduler gave up (a tail dropped under pressure): a worker that
+    # has not staged one yet skips it.
+    l3_cancel_writes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -76,8 +95,6 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     completed_jobs: dict[int, int] = field(default_factory=dict)
     failed_jobs: dict[int, int] = field(default_factory=dict)
-    # Store jobs whose units were copied out for the L3 write (their slots may be reused).
-    snapshot_jobs: dict[int, int] = field(default_factory=dict)
     # Fetch job -> successor tokens found in the L3 object header.
     fetched_successors: dict[int, list[int]] = field(default_factory=dict)
     # Fetch job -> seconds the read, decode and copy took (slowest rank).
@@ -86,16 +103,26 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     failure_causes: dict[int, str] = field(default_factory=dict)
     # Compare job -> {"draft"|"target": layers that differ from the recomputed KV}.
     audit_mismatch_layers: dict[int, dict[str, list[str]]] = field(default_factory=dict)
+    # L3 write order -> ranks whose copy of the slot is done (staged, or given up).
+    l3_writes_released: dict[int, int] = field(default_factory=dict)
+    # L3 write order -> ranks that wrote their part / failed or skipped it.
+    l3_writes_ok: dict[int, int] = field(default_factory=dict)
+    l3_writes_failed: dict[int, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.completed_jobs or self.failed_jobs or self.snapshot_jobs)
+        return not (
+            self.completed_jobs
+            or self.failed_jobs
+            or self.l3_writes_released
+            or self.l3_writes_ok
+            or self.l3_writes_failed
+        )
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DraftOffloadWorkerMetadata:
         assert isinstance(other, DraftOffloadWorkerMetadata)
         merged = DraftOffloadWorkerMetadata(
             dict(self.completed_jobs),
             dict(self.failed_jobs),
-            dict(self.snapshot_jobs),
             dict(self.fetched_successors),
             dict(self.fetch_seconds),
             dict(self.failure_causes),
@@ -103,11 +130,16 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
                 job: {part: list(names) for part, names in parts.items()}
                 for job, parts in self.audit_mismatch_layers.items()
             },
+            dict(self.l3_writes_released),
+            dict(self.l3_writes_ok),
+            dict(self.l3_writes_failed),
         )
         for target, source in (
             (merged.completed_jobs, other.completed_jobs),
             (merged.failed_jobs, other.failed_jobs),
-            (merged.snapshot_jobs, other.snapshot_jobs),
+            (merged.l3_writes_released, other.l3_writes_released),
+            (merged.l3_writes_ok, other.l3_writes_ok),
+            (merged.l3_writes_failed, other.l3_writes_failed),
         ):
             for job_id, count in source.items():
                 target[job_id] = target.get(job_id, 0) + count

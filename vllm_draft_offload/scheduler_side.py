@@ -23,6 +23,7 @@ from vllm_draft_offload.hit_logic import (
     common_prefix_length,
     match_prefix,
 )
+from vllm_draft_offload.l3_writes import L3WritePlanner, part_remover
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
     DraftOffloadWorkerMetadata,
@@ -117,8 +118,17 @@ class DraftOffloadScheduler:
                 lambda: next(self._job_ids),
                 layout.unit_bytes,
             )
-        # store job id -> [units pinned until their L3 copy is taken, reports]
-        self._snapshot_pins: dict[int, list] = {}
+        self.l3_writes: L3WritePlanner | None = None
+        if self.l3 is not None:
+            self.l3_writes = L3WritePlanner(
+                self.index,
+                layout.unit_bytes,
+                config.pending_write_bytes,
+                world_size,
+                self.stats,
+                lambda: next(self._job_ids),
+                part_remover(self.l3.lookup.store, world_size),
+            )
         self.audit = RecomputeAudit(
             config.audit_recompute_fraction,
             self.index,
@@ -292,6 +302,8 @@ class DraftOffloadScheduler:
             self.num_successors,
             self.config,
             block_ids,
+            # No slot for a store: a queued L3 write gives its slot back once confirmed.
+            on_full=self.l3_writes.relieve if self.l3_writes is not None else None,
         )
         state.next_store_chunk = plan.next_chunk
         units = plan.units
@@ -304,13 +316,9 @@ class DraftOffloadScheduler:
             plan.host_pages,
             plan.gpu_blocks,
             finishing=finishing,
-            l3_units=plan.l3_units if self.l3 is not None else [],
+            # Pinned until every worker has its bytes in LMCache's staging buffer.
+            l3_units=self.l3_writes.plan(plan.l3_units) if self.l3_writes is not None else [],
         )
-        if job.l3_units:
-            # Not evictable until every worker has copied it out for its L3 write.
-            for unit_id in units:
-                self.index.pin(unit_id)
-            self._snapshot_pins[job.job_id] = [units, 0]
         self._add_job(
             job.job_id,
             JobRecord(state.request.request_id, "store", units, first_chunk=plan.first_chunk),
@@ -364,6 +372,8 @@ class DraftOffloadScheduler:
             # Its blocks are gone; a resumed request re-looks-up from scratch.
             state.next_store_chunk = 0
             self.audit.release(req_id)
+        if self.l3_writes is not None:
+            meta.l3_cancel_writes = self.l3_writes.take_cancels()
         return meta
 
     def request_finished(
@@ -408,14 +418,8 @@ class DraftOffloadScheduler:
         if not isinstance(meta, DraftOffloadWorkerMetadata):
             return
         self.audit.on_output(meta)
-        for job_id, count in meta.snapshot_jobs.items():
-            pins = self._snapshot_pins.get(job_id)
-            if pins is not None:
-                pins[1] += count
-                if pins[1] >= self.world_size:
-                    del self._snapshot_pins[job_id]
-                    for unit_id in pins[0]:
-                        self.index.unpin(unit_id)
+        if self.l3_writes is not None:
+            self.l3_writes.on_output(meta)
         for job_id, cause in meta.failure_causes.items():
             record = self._jobs.get(job_id)
             if record is not None:
@@ -496,9 +500,13 @@ class DraftOffloadScheduler:
         Jobs that have not moved for STALL_S (a worker gone during shutdown,
         say) stop holding the engine loop, so it can never spin forever.
         """
+        now = time.monotonic()
+        writes = self.l3_writes
+        if writes is not None and writes.has_work() and now - writes.last_progress < STALL_S:
+            return True  # L3 writes drain while the engine is otherwise idle
         if not self._jobs:
             return False
-        if time.monotonic() - self._last_progress < STALL_S:
+        if now - self._last_progress < STALL_S:
             return True
         logger.warning(
             "DraftOffloadConnector: %d transfer job(s) made no progress for %.0f s",
@@ -506,6 +514,10 @@ class DraftOffloadScheduler:
             STALL_S,
         )
         return False
+
+    def shutdown(self) -> None:
+        if self.l3_writes is not None:
+            self.l3_writes.close()
 
     def has_finishing_stores(self) -> bool:
         return any(

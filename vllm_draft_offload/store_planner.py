@@ -19,9 +19,12 @@ from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.hit_logic import storable_chunk_limit
+from vllm_draft_offload.l3_writes import PlannedUnit
 from vllm_draft_offload.metadata import TransferJob
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vllm.v1.request import Request
 
 
@@ -36,8 +39,8 @@ class StorePlan:
     units: list[UnitId] = field(default_factory=list)
     host_pages: list[list[int]] = field(default_factory=list)
     gpu_blocks: list[list[int]] = field(default_factory=list)
-    # (slot, chunk key, successors) of each new unit, for the L3 write.
-    l3_units: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
+    # Each new unit with its slot and chain position, for the L3 write planner.
+    l3_units: list[PlannedUnit] = field(default_factory=list)
 
 
 def plan_stores(
@@ -49,9 +52,10 @@ def plan_stores(
     limit: int,
     num_successors: int,
     block_ids: tuple[list[int], ...],
+    on_full: Callable[[], None] | None = None,
 ) -> StorePlan:
     """Reserve slots for chunks [first_chunk, limit) in order, stopping at the first
-    chunk that cannot be stored now."""
+    chunk that cannot be stored now (`on_full` is told when that is for want of a slot)."""
     chunk_size = layout.chunk_size
     plan = StorePlan(
         first_chunk,
@@ -74,10 +78,14 @@ def plan_stores(
             break
         entry = index.reserve(unit_id)
         if entry is None:
+            if on_full is not None:
+                on_full()
             break  # every slot is storing or being loaded: retry this chunk later
         plan.next_chunk = chunk + 1
         plan.units.append(unit_id)
-        plan.l3_units.append((entry.slot, keys[chunk], successors))
+        plan.l3_units.append(
+            PlannedUnit(unit_id, entry.slot, chunk, keys[chunk - 1] if chunk else None)
+        )
         layout.add_chunk_pages(
             plan.host_pages, plan.gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
         )
@@ -94,6 +102,7 @@ def plan_request_stores(
     num_successors: int,
     config: DraftOffloadConfig,
     block_ids: tuple[list[int], ...],
+    on_full: Callable[[], None] | None = None,
 ) -> StorePlan:
     """Store plan of one request for this step: chunks from `next_chunk` whose KV is
     complete by the end of the step and whose successor tokens are known."""
@@ -117,7 +126,15 @@ def plan_request_stores(
             gpu_blocks=[[] for _ in layout.groups],
         )
     return plan_stores(
-        index, layout, keys.extend(tokens), tokens, next_chunk, limit, num_successors, block_ids
+        index,
+        layout,
+        keys.extend(tokens),
+        tokens,
+        next_chunk,
+        limit,
+        num_successors,
+        block_ids,
+        on_full,
     )
 
 

@@ -210,6 +210,14 @@ def _check_layout(header: UnitHeader) -> None:
         raise ValueError("duplicate layer names")
 
 
+def _framed_header(header: UnitHeader) -> bytes:
+    """Prefix plus padded JSON header: everything of the blob before the payload."""
+    hjson = _header_to_json(header)
+    hjson += b" " * ((-(PREFIX_SIZE + len(hjson))) % PAYLOAD_ALIGN)
+    digest = blake3.blake3(hjson).digest(length=_DIGEST_SIZE)
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hjson), digest) + hjson
+
+
 def encode_unit(header: UnitHeader, payload: Buffer, *, verify: bool = False) -> bytes:
     """Serialize one unit, copying the payload once.
 
@@ -226,15 +234,96 @@ def encode_unit(header: UnitHeader, payload: Buffer, *, verify: bool = False) ->
         for e in header.layers:
             if not verify_layer(mv, e):
                 raise ValueError(f"checksum of layer {e.name!r} does not match the payload")
-    hjson = _header_to_json(header)
-    pad = (-(PREFIX_SIZE + len(hjson))) % PAYLOAD_ALIGN
-    hjson += b" " * pad
-    out = bytearray(PREFIX_SIZE + len(hjson) + mv.nbytes)
-    digest = blake3.blake3(hjson).digest(length=_DIGEST_SIZE)
-    _PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(hjson), digest)
-    out[PREFIX_SIZE : PREFIX_SIZE + len(hjson)] = hjson
-    out[PREFIX_SIZE + len(hjson) :] = mv
+    framed = _framed_header(header)
+    out = bytearray(len(framed) + mv.nbytes)
+    out[: len(framed)] = framed
+    out[len(framed) :] = mv
     return bytes(out)
+
+
+_PLACEHOLDER_DIGEST: Final = "0" * (2 * _DIGEST_SIZE)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitFrame:
+    """Where the parts of a unit lie in its blob, known before the payload exists.
+
+    Every field of the header but the checksums is known up front, and checksums
+    have a fixed length, so the header's size is too: a writer can put the payload
+    straight into the final buffer, hash it there and write the header in front
+    (``encode_unit_into``), instead of building the blob in a copy.
+    """
+
+    header_nbytes: int
+    payload_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.header_nbytes + self.payload_nbytes
+
+
+def unit_frame(
+    *,
+    key: str,
+    geometry_fingerprint: str,
+    drafter_id: str,
+    num_tokens: int,
+    layers: Sequence[LayerSpec],
+    successor_tokens: Sequence[int] = (),
+) -> UnitFrame:
+    entries = []
+    offset = 0
+    for spec in layers:
+        entries.append(
+            LayerEntry(spec.name, spec.is_draft, offset, spec.nbytes, _PLACEHOLDER_DIGEST)
+        )
+        offset += spec.nbytes
+    template = UnitHeader(
+        key=key,
+        geometry_fingerprint=geometry_fingerprint,
+        drafter_id=drafter_id,
+        num_tokens=num_tokens,
+        layers=tuple(entries),
+        payload_checksum=_PLACEHOLDER_DIGEST,
+        payload_nbytes=offset,
+        successor_tokens=tuple(int(t) for t in successor_tokens),
+    )
+    return UnitFrame(len(_framed_header(template)), offset)
+
+
+def encode_unit_into(
+    out: memoryview,
+    frame: UnitFrame,
+    *,
+    key: str,
+    geometry_fingerprint: str,
+    drafter_id: str,
+    num_tokens: int,
+    layers: Sequence[LayerSpec],
+    successor_tokens: Sequence[int] = (),
+) -> UnitHeader:
+    """Finish a unit whose payload the caller already wrote at ``out[frame.header_nbytes:]``.
+
+    Hashes the payload where it lies and writes the header in front of it; returns
+    the header. ``out`` must be exactly ``frame.nbytes`` long.
+    """
+    out = out.cast("B") if out.format != "B" else out
+    if out.nbytes != frame.nbytes:
+        raise ValueError(f"buffer has {out.nbytes} bytes, the unit needs {frame.nbytes}")
+    header = make_header(
+        key=key,
+        geometry_fingerprint=geometry_fingerprint,
+        drafter_id=drafter_id,
+        num_tokens=num_tokens,
+        layers=layers,
+        payload=out[frame.header_nbytes :],
+        successor_tokens=successor_tokens,
+    )
+    framed = _framed_header(header)
+    if len(framed) != frame.header_nbytes:  # checksums are fixed-length hex
+        raise AssertionError(f"header is {len(framed)} bytes, framed {frame.header_nbytes}")
+    out[: frame.header_nbytes] = framed
+    return header
 
 
 def pack_unit(

@@ -344,6 +344,13 @@ class DraftOffloadWorker:
         if meta.compares and self.comparer is not None:
             # Ahead of this step's stores, so the audit's sync does not wait for them too.
             self.comparer.run(meta.compares, self._worker_meta, self._store_stream)
+        if self.l3 is not None:
+            # Announce this step's writes before its cancels, which may name them.
+            for job in meta.stores:
+                if job.l3_units:
+                    self.l3.expect_writes(job.l3_units)
+            if meta.l3_cancel_writes:
+                self.l3.cancel_writes(meta.l3_cancel_writes)
         if not meta.stores:
             return
         for job in meta.stores:
@@ -412,7 +419,7 @@ class DraftOffloadWorker:
                         self._slot_checksums[slot] = self._layer_checksums(slot)
                 self._worker_meta.completed_jobs[job.job_id] = 1
                 if self.l3 is not None and job.l3_units:
-                    self.l3.write_units(job.job_id, job.l3_units)
+                    self.l3.write_units(job.l3_units)
             jobs = self._req_store_jobs[job.req_id]
             jobs.discard(job.job_id)
             if not jobs:
@@ -429,9 +436,10 @@ class DraftOffloadWorker:
         self.stats.record_fallback(cause)
         meta.failed_jobs[job.job_id] = 1
         meta.failure_causes.setdefault(job.job_id, cause)
-        if job.l3_units:
-            # No L3 copy will be taken: the scheduler's snapshot pins can go.
-            meta.snapshot_jobs[job.job_id] = meta.snapshot_jobs.get(job.job_id, 0) + 1
+        if job.l3_units and self.l3 is not None:
+            # Nothing to write: the units' L3 writes end as failed on this rank, which
+            # releases the scheduler's pins once every rank has reported.
+            self.l3.fail_writes(job.l3_units)
 
     def _poll_loads(self) -> None:
         still_running = []
@@ -458,9 +466,15 @@ class DraftOffloadWorker:
         if l3 is None:
             return
         meta = self._worker_meta
-        while not l3.snapshots_done.empty():
-            job_id = l3.snapshots_done.get()
-            meta.snapshot_jobs[job_id] = meta.snapshot_jobs.get(job_id, 0) + 1
+        write_counts = {
+            "released": meta.l3_writes_released,
+            "ok": meta.l3_writes_ok,
+            "failed": meta.l3_writes_failed,
+        }
+        while not l3.write_reports.empty():
+            kind, write_id = l3.write_reports.get()
+            counts = write_counts[kind]
+            counts[write_id] = counts.get(write_id, 0) + 1
         while not l3.fetches_done.empty():
             result = l3.fetches_done.get()
             if result.successors is None:
@@ -485,6 +499,8 @@ class DraftOffloadWorker:
             kind, detail = l3.events.get()
             if kind == "fallback":
                 self.stats.record_fallback(detail)
+            elif kind == "lost_shutdown":
+                self.stats.record_fallback("l3_write_lost_shutdown", int(detail))
             elif kind == "stored":
                 assert self.layout is not None
                 self.stats.record_transfer(
@@ -512,9 +528,11 @@ class DraftOffloadWorker:
         for store in self._stores:
             if store.event is not None:
                 store.event.synchronize()
-        self._stores.clear()
+        # Retiring them queues their L3 writes, which close() flushes.
+        self._poll_stores()
         if self.l3 is not None:
             self.l3.close()
+            self._drain_l3()  # counts l3_write_lost_shutdown
         if self.comparer is not None:
             self.comparer.close()
         if self.pool is not None:
