@@ -389,7 +389,8 @@ def soak_plot(data: dict[str, Any], path: Path) -> None:
     t = [x["t"] for x in mem]
     for key, label in (
         ("rss_bytes", "RSS (engine processes)"),
-        ("pinned_bytes", "pinned (CPU tier pool)"),
+        ("pool_bytes", "CPU-tier pool"),
+        ("pinned_bytes", "pinned"),
         ("l3_pending_write_bytes", "L3 pending writes"),
         ("l3_staging_in_use_bytes", "L3 staging in use"),
     ):
