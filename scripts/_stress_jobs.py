@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
 from _bench_workloads import MIB, Drafter, Sizes, engine_kwargs, with_overrides  # noqa: E402
-from bench_spec_offload import child_env, error_lines, run_subprocess, tail  # noqa: E402
+from bench_spec_offload import child_env, error_lines, run_subprocess, tail, versions  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_stress_worker.py"
 
@@ -133,3 +134,18 @@ def cpu_tier_bytes(fraction: float, tokens: int, bytes_per_token: int, chunk: in
     unit = bytes_per_token * chunk
     units = max(2, int(fraction * tokens) // chunk)
     return max(units * unit, MIB)
+
+
+def run_header(
+    kind: str, script: str, argv: list[str] | None, dry: bool, batch_invariant: bool
+) -> dict[str, Any]:
+    """The fields every result JSON starts with (the GPU name comes from the engines)."""
+    return {
+        "schema": 1,
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv if argv is None else [script, *argv],
+        "dry_run": dry,
+        "batch_invariant": batch_invariant,
+        "versions": versions(),
+    }

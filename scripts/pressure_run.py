@@ -34,9 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 from _bench_workloads import parse_drafters  # noqa: E402
 from _soak_load import plan_pressure  # noqa: E402
 from _stress_engine import dtype_bytes, kv_bytes_per_token  # noqa: E402
-from _stress_jobs import EngineShape, build_kwargs, cpu_tier_bytes, run_job, worker_env  # noqa: E402
+from _stress_jobs import (  # noqa: E402
+    EngineShape,
+    build_kwargs,
+    cpu_tier_bytes,
+    run_header,
+    run_job,
+    worker_env,
+)
 from _stress_report import pressure_markdown, pressure_summary  # noqa: E402
-from bench_spec_offload import read_model_limits, versions  # noqa: E402
+from bench_spec_offload import read_model_limits  # noqa: E402
 
 ROLES: dict[str, str] = {"reference": "none", "control": "gpu_prefix", "ours": "ours_cpu"}
 
@@ -104,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     req_len = plan.prefix_len + plan.suffix_len + plan.answer + args.num_spec_tokens + 1
     max_model_len = math.ceil(req_len / block) * block
     data: dict[str, Any] = {
-        "schema": 1,
-        "kind": "pressure",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv if argv is None else ["pressure_run.py", *argv],
-        "dry_run": dry,
-        "batch_invariant": args.batch_invariant,
-        "versions": versions(),
+        **run_header("pressure", "pressure_run.py", argv, dry, args.batch_invariant),
         "model": model,
         "plan": plan.to_dict(),
         "chunk_size": chunk,

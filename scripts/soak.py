@@ -36,9 +36,16 @@ from _bench_workloads import parse_drafters  # noqa: E402
 from _soak_faults import FaultInjector, FsBackend, RedisBackend, RedisProcess, schedule, small_tmpfs  # noqa: E402
 from _soak_load import SoakLoad  # noqa: E402
 from _stress_engine import dtype_bytes, kv_bytes_per_token  # noqa: E402
-from _stress_jobs import EngineShape, build_kwargs, cpu_tier_bytes, run_job, worker_env  # noqa: E402
+from _stress_jobs import (  # noqa: E402
+    EngineShape,
+    build_kwargs,
+    cpu_tier_bytes,
+    run_header,
+    run_job,
+    worker_env,
+)
 from _stress_report import soak_markdown, soak_plot, soak_summary  # noqa: E402
-from bench_spec_offload import read_model_limits, versions  # noqa: E402
+from bench_spec_offload import read_model_limits  # noqa: E402
 
 DRY_LOAD = SoakLoad(
     streams=8,
@@ -175,13 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     env = worker_env(dry, args.batch_invariant)
     data: dict[str, Any] = {
-        "schema": 1,
-        "kind": "soak",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv if argv is None else ["soak.py", *argv],
-        "dry_run": dry,
-        "batch_invariant": args.batch_invariant,
-        "versions": versions(),
+        **run_header("soak", "soak.py", argv, dry, args.batch_invariant),
         "backend": args.backend,
         "seconds": seconds,
         "load": load.to_dict(),

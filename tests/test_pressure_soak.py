@@ -24,7 +24,8 @@ sys.path.insert(0, str(SCRIPTS))
 import _soak_faults as sf  # noqa: E402
 import _stress_report as sr  # noqa: E402
 import pressure_run  # noqa: E402
-from _soak_load import SoakLoad, SoakStreams, plan_pressure, pressure_requests  # noqa: E402
+import soak  # noqa: E402
+from _soak_load import SoakStreams, plan_pressure, pressure_requests  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -32,35 +33,29 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # ----------------------------------------------------------------------------- sizes and load
 
 
-def test_pressure_plan_overflows_the_gpu_cache_and_the_cpu_tier() -> None:
-    plan = plan_pressure(
-        streams=64,
-        prefix_len=1024,
-        suffix_len=64,
-        answer=32,
-        rounds=3,
-        block_size=16,
+def _plan(streams: int, prefix: int, suffix: int, answer: int, rounds: int, block: int) -> Any:
+    return plan_pressure(
+        streams=streams,
+        prefix_len=prefix,
+        suffix_len=suffix,
+        answer=answer,
+        rounds=rounds,
+        block_size=block,
         ws_factor=3.2,
         gpu_factor=1.1,
         seed=0,
     )
+
+
+def test_pressure_plan_overflows_the_gpu_cache_and_the_cpu_tier() -> None:
+    plan = _plan(64, 1024, 64, 32, 3, 16)
     # the running streams fit in the GPU cache, the working set is >= 3x it
     assert plan.gpu_tokens >= 64 * (1024 + 64 + 32)
     assert plan.working_set_tokens >= 3 * plan.gpu_tokens
     # hot prefixes come back after more than the GPU holds, less than half the working set
     reuse = 2 * plan.hot * plan.prefix_len
     assert plan.gpu_tokens < reuse < plan.working_set_tokens / 2
-    small = plan_pressure(
-        streams=4,
-        prefix_len=64,
-        suffix_len=16,
-        answer=8,
-        rounds=2,
-        block_size=32,
-        ws_factor=3.2,
-        gpu_factor=1.1,
-        seed=0,
-    )
+    small = _plan(4, 64, 16, 8, 2, 32)
     reqs = pressure_requests(small, 256)
     assert reqs == pressure_requests(small, 256)  # every engine sees the same list
     assert len(reqs) == 2 * small.rounds * small.prefixes
@@ -71,20 +66,7 @@ def test_pressure_plan_overflows_the_gpu_cache_and_the_cpu_tier() -> None:
 
 
 def test_soak_streams_mix_chat_docs_and_divergent_successors() -> None:
-    load = SoakLoad(
-        streams=8,
-        system_prompts=2,
-        system_len=96,
-        chat_turns=3,
-        user_len=16,
-        docs=4,
-        doc_len=256,
-        question_len=12,
-        div_prefix=64,
-        div_cont=12,
-        answer=8,
-        chunk_size=32,
-    )
+    load = soak.DRY_LOAD
     mix = SoakStreams(load, 256)
     assert [mix.kind_of(i) for i in range(4)] == ["system", "chat", "docqa", "divergent"]
     chat = mix.make(1)
