@@ -44,6 +44,7 @@ class DriverResult:
     error: str | None = None
     traceback: str | None = None
     stopped_by: str = "done"  # done | deadline | max_requests | crash
+    tick_errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
 
@@ -117,7 +118,10 @@ class StreamDriver:
                     stopping, res.stopped_by = True, "deadline"
                 if self.on_tick is not None and now - last_tick >= self.tick_s:
                     last_tick = now
-                    self.on_tick(now)
+                    try:
+                        self.on_tick(now)
+                    except Exception as exc:  # noqa: BLE001 - a failed sample is no crash
+                        res.tick_errors.append(f"{now:.1f}s {type(exc).__name__}: {exc}")
                 for out in engine.step():
                     if not out.finished or out.request_id not in inflight:
                         continue

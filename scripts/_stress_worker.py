@@ -165,6 +165,7 @@ class Worker:
             stopped_by=res.stopped_by,
             wall_s=res.wall_s,
             n_finished=len(res.finished),
+            tick_errors=res.tick_errors[:20],
         )
 
     def run(self) -> None:

@@ -342,3 +342,49 @@ def test_soak_cpu_redis(tiny_fixtures: Path, tmp_path: Path) -> None:
     data = _soak(tiny_fixtures, tmp_path / "soak", "redis", "0")
     assert data["l3_url"].startswith("redis://127.0.0.1:")
     assert data["summary"]["ttft"]["baseline"] is None  # no baseline asked: said, not faked
+
+
+# ----------------------------------------------------------------------------- soak report
+
+SOAK_EXAMPLE = Path(__file__).parent / "data" / "soak_example.json"
+
+
+def _soak_report(tmp_path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(data))
+    assert soak.main(["--report-only", str(path), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "soak.png").read_bytes()[:8] == PNG_MAGIC
+    return json.loads((tmp_path / "out" / "soak.json").read_text())["summary"]
+
+
+def test_soak_report_on_a_recorded_cpu_run(tmp_path: Path) -> None:
+    """A recorded 8 s Redis soak on CPU: the summary is rebuilt from raw samples."""
+    data = json.loads(SOAK_EXAMPLE.read_text())
+    s = _soak_report(tmp_path, data)
+    assert set(s) == SOAK_SUMMARY_KEYS and s["verdict"] == "pass", s["failed"]
+    first = data["runs"]["ours"]["samples"][0]["counters"]
+    last = data["runs"]["ours"]["samples"][-1]["counters"]
+    key = sr.LOADED.format("l3")
+    assert s["hits"]["hit_tokens"]["l3"] == (last[key] - first.get(key, 0)) * data["chunk_size"]
+    assert s["faults_injected"] == {
+        f: sum(e["ok"] and e["fault"] == f for e in data["faults"])
+        for f in {e["fault"] for e in data["faults"] if e["ok"]}
+    }
+    assert s["ttft"]["baseline"]["n"] == len(data["runs"]["baseline"]["requests"])
+
+
+def test_soak_verdicts_count_crashes_wrong_outputs_and_memory(tmp_path: Path) -> None:
+    base = json.loads(SOAK_EXAMPLE.read_text())
+    died = copy.deepcopy(base)
+    died["runs"]["ours"].update(status="error", error="EngineDeadError: x")
+    s = _soak_report(tmp_path / "a", died)
+    assert s["crashes"] == 1 and s["verdict"] == "fail"
+    wrong = copy.deepcopy(base)
+    wrong["runs"]["ours"]["replay_sample"][0]["output"][-1] += 1
+    s = _soak_report(tmp_path / "b", wrong)
+    assert s["replay"]["mismatches"] == 1 and s["verdict"] == "fail"
+    grew = copy.deepcopy(base)
+    grew["runs"]["ours"]["samples"][-1]["pool_bytes"] += 1
+    s = _soak_report(tmp_path / "c", grew)
+    assert any("pool" in f for f in s["failed"])
