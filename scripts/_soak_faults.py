@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-FAULTS: tuple[str, ...] = ("outage", "corrupt", "disk_full")
+# corrupt last in each cycle: after a Redis outage the server is empty until new writes
+FAULTS: tuple[str, ...] = ("outage", "disk_full", "corrupt")
 MAX_BALLAST = 8 << 30  # never fill a filesystem with more free space than this
 
 
@@ -213,7 +214,12 @@ class FaultInjector(threading.Thread):
         }
         try:
             if fault == "corrupt":
+                # nothing stored yet (start, or a Redis that came back empty): wait for
+                # objects during the hold instead of recording a no-op
+                deadline = time.monotonic() + hold
                 n = self.backend.corrupt(self.corrupt_n)
+                while n == 0 and not self._stop_evt.wait(0.2) and time.monotonic() < deadline:
+                    n = self.backend.corrupt(self.corrupt_n)
                 ev["ok"], ev["detail"] = n > 0, f"{n} objects corrupted"
             else:
                 on, off = (
