@@ -276,6 +276,8 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
     rss = [s["rss_bytes"] for s in mem]
     memory = {
         "samples": len(mem),
+        # samples whose connector probe failed (collective_rpc): RSS only
+        "probe_errors": sum("probe_error" in s for s in samples),
         "pinned_min": min(pinned, default=None),
         "pinned_max": max(pinned, default=None),
         "pool_min": min(pool, default=None),
