@@ -1,0 +1,426 @@
+"""Summaries, markdown and the figure of the pressure run and the soak, from their JSON.
+
+Pure functions of the recorded data (no engine), so ``--report-only`` and the tests
+rebuild every number from a recorded run. Counter keys are prometheus sample names
+as `_bench_worker.snapshot_metrics` writes them, e.g.
+``vllm:draft_offload_loaded_chunks_total{tier=cpu}``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+LOADED = "vllm:draft_offload_loaded_chunks_total{{tier={}}}"
+HIT = "vllm:draft_offload_lookup_hit_chunks_total{{tier={}}}"
+MISS = "vllm:draft_offload_lookup_miss_chunks_total{{tier={}}}"
+SPEC_DRAFTS = "vllm:draft_offload_spec_drafts_total{{restored={}}}"
+SPEC_ACC = "vllm:draft_offload_spec_accepted_tokens_total{{restored={}}}"
+EXT_HITS, EXT_QUERIES = (
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+)
+GPU_HITS, GPU_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+_CAUSE = re.compile(r"^vllm:draft_offload_(fallbacks|refusals)_total\{cause=([^}]*)\}$")
+TIERS = ("cpu", "l3")
+MIN_ACCEPT_RATIO = 0.99
+MIN_EXT_HIT_FRACTION = 0.05  # "well above zero": >= 5 % of prompt tokens from the tiers
+
+
+def _al(accepted: float, steps: float) -> float | None:
+    return 1.0 + accepted / steps if steps else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def connector_acceptance(counters: dict[str, float]) -> dict[str, float | None]:
+    """Acceptance length restored / fresh from the connector's own spec counters."""
+    restored = _al(
+        counters.get(SPEC_ACC.format("true"), 0), counters.get(SPEC_DRAFTS.format("true"), 0)
+    )
+    fresh = _al(
+        counters.get(SPEC_ACC.format("false"), 0), counters.get(SPEC_DRAFTS.format("false"), 0)
+    )
+    return {"al_restored": restored, "al_fresh": fresh, "ratio": _ratio(restored, fresh)}
+
+
+def causes(counters: dict[str, float]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {"fallbacks": {}, "refusals": {}}
+    for key, value in counters.items():
+        m = _CAUSE.match(key)
+        if m and value:
+            out[m.group(1)][m.group(2)] = value
+    return out
+
+
+def tier_tokens(counters: dict[str, float], chunk: int) -> dict[str, Any]:
+    """Hit tokens by the tier that held them.
+
+    ``loaded_chunks{tier=l3}`` counts units fetched from storage into a CPU slot;
+    every restore to the GPU then counts under ``cpu``, so the CPU tier's own hits
+    are ``cpu - l3``.
+    """
+    cpu, l3 = (int(counters.get(LOADED.format(t), 0)) for t in TIERS)
+    return {
+        "hit_tokens": {"cpu": (cpu - l3) * chunk, "l3": l3 * chunk},
+        "loaded_chunk_tokens": {t: int(counters.get(LOADED.format(t), 0) * chunk) for t in TIERS},
+        "lookup_hit_chunks": {t: int(counters.get(HIT.format(t), 0)) for t in TIERS},
+        "external_hit_tokens": int(counters.get(EXT_HITS, 0)),
+        "gpu_prefix_hit_tokens": int(counters.get(GPU_HITS, 0)),
+    }
+
+
+def _mismatches(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x != y for x, y in zip(a, b, strict=True))
+
+
+# ----------------------------------------------------------------------------- pressure
+
+
+def pressure_summary(data: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    labels = list(dict.fromkeys(r["drafter"]["label"] for r in data["runs"]))
+    for label in labels:
+        runs = {r["role"]: r for r in data["runs"] if r["drafter"]["label"] == label}
+        rows.append(_pressure_row(label, runs, data))
+    return {"rows": rows, "pass": bool(rows) and all(r["verdict"] == "pass" for r in rows)}
+
+
+def _pressure_row(
+    label: str, runs: dict[str, dict[str, Any]], data: dict[str, Any]
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "drafter": label,
+        "status": {role: r.get("status") for role, r in runs.items()},
+        "crashes": sum(int(r.get("crashes") or 0) for r in runs.values()),
+        "device": next((r["engine"].get("device") for r in runs.values() if r.get("engine")), None),
+    }
+    failed: list[str] = [f"{k} {v}" for k, v in row["status"].items() if v != "ok"]
+    ours, ref, ctl = runs.get("ours"), runs.get("reference"), runs.get("control")
+    if not failed and ours and ref and ctl:
+        out = {k: [q["output"] for q in r["requests"]] for k, r in runs.items()}
+        total = len(out["reference"])
+        if not len(out["ours"]) == len(out["control"]) == total:
+            failed.append("request counts differ")
+        else:
+            prompt_tokens = sum(q["prompt_len"] for q in ours["requests"])
+            row["requests"] = total
+            row["prompt_tokens"] = prompt_tokens
+            row["hits"] = tier_tokens(ours["counters"], int(data["chunk_size"]))
+            row["control_hits"] = tier_tokens(ctl["counters"], int(data["chunk_size"]))
+            row["ours_mismatch"] = _mismatches(out["ours"], out["reference"])
+            row["control_mismatch"] = _mismatches(out["control"], out["reference"])
+            row["outputs_equal"] = f"{total - row['ours_mismatch']}/{total}"
+            row["acceptance"] = _request_acceptance(ours["requests"], ref["requests"])
+            row["connector_acceptance"] = connector_acceptance(ours["counters"])
+            ext = row["hits"]["external_hit_tokens"]
+            row["external_hit_fraction"] = ext / prompt_tokens if prompt_tokens else 0.0
+            if row["hits"]["hit_tokens"]["cpu"] <= 0:
+                failed.append("no CPU-tier hits")
+            if row["external_hit_fraction"] < MIN_EXT_HIT_FRACTION:
+                failed.append(f"external hits {row['external_hit_fraction']:.1%} of prompt tokens")
+            limit = 0 if data.get("batch_invariant") else row["control_mismatch"]
+            if row["ours_mismatch"] > limit:
+                failed.append(f"{row['ours_mismatch']} outputs differ (control {limit})")
+            ratio = row["acceptance"]["ratio"]
+            if ratio is None or ratio < MIN_ACCEPT_RATIO:
+                failed.append(f"acceptance ratio {ratio}")
+    elif not failed:
+        failed.append("missing runs")
+    row["failed"] = failed
+    row["verdict"] = "fail" if failed else "pass"
+    return row
+
+
+def _request_acceptance(ours: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any]:
+    """AL of ours on its requests that had a cache hit vs the same requests computed fresh."""
+    hit = [i for i, q in enumerate(ours) if q.get("cached", 0) > 0 and q.get("spec")]
+
+    def al(reqs: list[dict[str, Any]]) -> float | None:
+        acc = sum(reqs[i]["spec"]["accepted"] for i in hit if reqs[i].get("spec"))
+        steps = sum(reqs[i]["spec"]["steps"] for i in hit if reqs[i].get("spec"))
+        return _al(acc, steps)
+
+    restored, fresh = al(ours), al(ref)
+    return {
+        "hit_requests": len(hit),
+        "al_restored": restored,
+        "al_fresh": fresh,
+        "ratio": _ratio(restored, fresh),
+    }
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _al_cell(a: dict[str, Any]) -> str:
+    """``ratio (AL restored / AL fresh)``."""
+    return f"{_f(a['ratio'])} ({_f(a['al_restored'], '{:.2f}')} / {_f(a['al_fresh'], '{:.2f}')})"
+
+
+def pressure_markdown(data: dict[str, Any]) -> str:
+    s = data["summary"]
+    ver = ", ".join(f"{k} {v}" for k, v in data["versions"].items() if v)
+    dev = next((r["device"] for r in s["rows"] if r.get("device")), "unknown")
+    inv = "on" if data.get("batch_invariant") else "off"
+    p = data["plan"]
+    lines = [
+        "# Pressure run",
+        "",
+        f"Device: {dev}; {ver}. Batch-invariant mode: {inv}.",
+        f"{p['streams']} streams, {p['prefixes']} prefixes x {p['prefix_len']} tokens "
+        f"({p['hot']} hot), {p['rounds']} rounds; GPU KV {p['gpu_tokens']} tokens, "
+        f"working set {p['prefixes'] * p['prefix_len']} tokens; storage tier: {data['l3']}.",
+        "",
+        "| config | hit tokens cpu | hit tokens l3 | external hit tokens (share) "
+        "| GPU prefix hits | outputs equal / total | control mismatch "
+        "| acceptance restored/fresh | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in s["rows"]:
+        why = f": {'; '.join(r['failed'])}" if r["failed"] else ""
+        if "hits" not in r:
+            lines.append(f"| {r['drafter']} | | | | | | | | {r['verdict']}{why} |")
+            continue
+        h, a = r["hits"], r["acceptance"]
+        cells = [
+            r["drafter"],
+            h["hit_tokens"]["cpu"],
+            h["hit_tokens"]["l3"],
+            f"{h['external_hit_tokens']} ({r['external_hit_fraction']:.0%})",
+            h["gpu_prefix_hit_tokens"],
+            r["outputs_equal"],
+            f"{r['control_mismatch']}/{r['requests']}",
+            f"{_al_cell(a)}, {a['hit_requests']} hit requests",
+            f"{r['verdict']}{why}",
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if data.get("dry_run"):
+        lines += ["", "CPU dry run: tiny fixtures, numbers show the pipeline only."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- soak
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+
+
+def _ttft(reqs: list[dict[str, Any]], until: float | None = None) -> dict[str, Any]:
+    t = [q["ttft_s"] for q in reqs if "ttft_s" in q and (until is None or q["submit_t"] <= until)]
+    return {"n": len(t), "p50_s": percentile(t, 50), "p99_s": percentile(t, 99)}
+
+
+def hit_rate_series(samples: list[dict[str, Any]], window_s: float = 5.0) -> list[dict[str, Any]]:
+    """Per window: chunk hit rate per tier, and token hit rates of vLLM's two caches."""
+    out: list[dict[str, Any]] = []
+    prev = samples[0] if samples else None
+    for s in samples[1:]:
+        if s["t"] - prev["t"] < window_s and s is not samples[-1]:
+            continue
+        a, b = prev["counters"], s["counters"]
+
+        def d(key: str, a: dict[str, float] = a, b: dict[str, float] = b) -> float:
+            return b.get(key, 0.0) - a.get(key, 0.0)
+
+        point: dict[str, Any] = {"t": s["t"]}
+        for tier in TIERS:
+            looked = d(HIT.format(tier)) + d(MISS.format(tier))
+            point[tier] = d(HIT.format(tier)) / looked if looked else None
+        point["external"] = d(EXT_HITS) / d(EXT_QUERIES) if d(EXT_QUERIES) else None
+        point["gpu"] = d(GPU_HITS) / d(GPU_QUERIES) if d(GPU_QUERIES) else None
+        out.append(point)
+        prev = s
+    return out
+
+
+def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
+    ours = data["runs"].get("ours", {})
+    base = data["runs"].get("baseline")
+    rep = data["runs"].get("replay")
+    samples = ours.get("samples") or []
+    first = samples[0]["counters"] if samples else {}
+    last = samples[-1]["counters"] if samples else {}
+    delta = {k: v - first.get(k, 0.0) for k, v in last.items()}
+    failed: list[str] = []
+    crashes = int(ours.get("crashes") or 0) + (ours.get("status") not in ("ok", "crashed"))
+    if crashes:
+        failed.append(f"{crashes} crash(es): {ours.get('error')}")
+    kinds: dict[str, int] = {}
+    for q in ours.get("requests") or []:
+        kinds[q["kind"]] = kinds.get(q["kind"], 0) + 1
+    replay: dict[str, Any] = {"n": 0, "mismatches": None, "control_mismatches": None}
+    if rep and rep.get("status") == "ok":
+        sample = ours.get("replay_sample") or []
+        outs = [x["output"] for x in sample]
+        replay = {
+            "n": len(outs),
+            "mismatches": _mismatches(outs, rep["reference"]),
+            "control_mismatches": _mismatches(rep["control"], rep["reference"]),
+        }
+        if replay["mismatches"]:
+            failed.append(f"{replay['mismatches']}/{replay['n']} replayed outputs differ")
+    else:
+        failed.append("replay did not run" if not rep else f"replay {rep.get('status')}")
+    mem = [s for s in samples if "pinned_bytes" in s]
+    pinned = [s["pinned_bytes"] for s in mem]
+    pool = [s["pool_bytes"] for s in mem]
+    rss = [s["rss_bytes"] for s in mem]
+    memory = {
+        "samples": len(mem),
+        # samples whose connector probe failed (collective_rpc): RSS only
+        "probe_errors": sum("probe_error" in s for s in samples),
+        "pinned_min": min(pinned, default=None),
+        "pinned_max": max(pinned, default=None),
+        "pool_min": min(pool, default=None),
+        "pool_max": max(pool, default=None),
+        "cpu_bytes_budget": data.get("cpu_bytes"),
+        "rss_start": rss[0] if rss else None,
+        "rss_max": max(rss, default=None),
+        "rss_end": rss[-1] if rss else None,
+        "l3_pending_write_max": max((s["l3_pending_write_bytes"] for s in mem), default=None),
+        "l3_staging_max": max((s["l3_staging_in_use_bytes"] for s in mem), default=None),
+    }
+    budget = data.get("cpu_bytes")
+    # The pool is the CPU tier (pinned on a GPU host, pageable on CPU): one allocation
+    # of the configured budget, so it must neither move nor exceed it.
+    if not pool:
+        failed.append("no connector memory samples")
+    elif min(pool) != max(pool) or (budget and max(pool) > budget) or max(pinned) > max(pool):
+        failed.append("CPU-tier pool not flat / over budget")
+    faults: dict[str, int] = {}
+    for ev in data.get("faults") or []:
+        if ev.get("ok"):
+            faults[ev["fault"]] = faults.get(ev["fault"], 0) + 1
+    win = base.get("seconds") if base else None
+    ttft = {
+        "ours": _ttft(ours.get("requests") or []),
+        "ours_first_window": _ttft(ours.get("requests") or [], win) if win else None,
+        "baseline": _ttft(base.get("requests") or [])
+        if base and base.get("status") == "ok"
+        else None,
+        "baseline_seconds": win,
+    }
+    return {
+        "crashes": crashes,
+        "requests": {"total": sum(kinds.values()), "by_kind": kinds},
+        "replay": replay,
+        "acceptance": connector_acceptance(delta),
+        "hits": tier_tokens(delta, int(data["chunk_size"])),
+        "causes": causes(delta),
+        "faults_injected": faults,
+        "memory": memory,
+        "ttft": ttft,
+        "hit_rate": hit_rate_series(samples),
+        "failed": failed,
+        "verdict": "fail" if failed else "pass",
+    }
+
+
+def soak_markdown(data: dict[str, Any]) -> str:
+    s = data["summary"]
+
+    def m(x: float | None) -> str:
+        return "n/a" if x is None else f"{x / (1 << 20):.1f} MiB"
+
+    def p(t: dict[str, Any] | None) -> str:
+        t = t or {}
+        return f"{_f(t.get('p50_s'))} / {_f(t.get('p99_s'))} s"
+
+    t, mem, rep, hits = s["ttft"], s["memory"], s["replay"], s["hits"]["hit_tokens"]
+    ver = ", ".join(f"{k} {v}" for k, v in data["versions"].items() if v)
+    why = f": {'; '.join(s['failed'])}" if s["failed"] else ""
+    rows = [
+        ("verdict", f"{s['verdict']}{why}"),
+        ("crashes", s["crashes"]),
+        ("requests", f"{s['requests']['total']} {s['requests']['by_kind']}"),
+        (
+            "replayed outputs differing",
+            f"{rep['mismatches']} / {rep['n']} (control {rep['control_mismatches']})",
+        ),
+        ("acceptance restored / fresh", _al_cell(s["acceptance"])),
+        ("hit tokens cpu / l3", f"{hits['cpu']} / {hits['l3']}"),
+        ("fallbacks by cause", s["causes"]["fallbacks"] or "none"),
+        ("refusals by cause", s["causes"]["refusals"] or "none"),
+        ("faults injected", s["faults_injected"] or "none"),
+        (
+            "CPU-tier pool min / max (budget); pinned min / max",
+            f"{m(mem['pool_min'])} / {m(mem['pool_max'])} ({m(mem['cpu_bytes_budget'])}); "
+            f"{m(mem['pinned_min'])} / {m(mem['pinned_max'])}",
+        ),
+        (
+            "RSS start / max / end",
+            f"{m(mem['rss_start'])} / {m(mem['rss_max'])} / {m(mem['rss_end'])}",
+        ),
+        ("TTFT p50 / p99, ours (whole run)", p(t["ours"])),
+        (
+            f"TTFT p50 / p99, ours first {t['baseline_seconds']} s vs no connector",
+            f"{p(t['ours_first_window'])} vs {p(t['baseline'])}",
+        ),
+    ]
+    head = [
+        "# Soak",
+        "",
+        f"Device: {data.get('device')}; {ver}. Backend {data['backend']}, "
+        f"{data['load']['streams']} streams, {data['seconds']:.0f} s.",
+        "",
+        "| field | value |",
+        "|---|---|",
+    ]
+    return "\n".join(head + [f"| {k} | {v} |" for k, v in rows]) + "\n"
+
+
+def soak_plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = data["summary"]
+    samples = data["runs"].get("ours", {}).get("samples") or []
+    fig, ax = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
+    mem = [x for x in samples if "pinned_bytes" in x]
+    t = [x["t"] for x in mem]
+    for key, label in (
+        ("rss_bytes", "RSS (engine processes)"),
+        ("pool_bytes", "CPU-tier pool"),
+        ("pinned_bytes", "pinned"),
+        ("l3_pending_write_bytes", "L3 pending writes"),
+        ("l3_staging_in_use_bytes", "L3 staging in use"),
+    ):
+        ax[0].plot(t, [x.get(key, 0) / (1 << 20) for x in mem], label=label)
+    ax[0].set_ylabel("MiB")
+    ax[0].legend(fontsize=7)
+    hr = s["hit_rate"]
+    for key in ("cpu", "l3", "external", "gpu"):
+        ax[1].plot([p["t"] for p in hr], [p[key] for p in hr], marker=".", label=key)
+    ax[1].set_ylabel("hit rate")
+    ax[1].legend(fontsize=7)
+    for cause in sorted({c for x in samples for c in causes(x["counters"])["fallbacks"]}):
+        ax[2].plot(
+            [x["t"] for x in samples],
+            [causes(x["counters"])["fallbacks"].get(cause, 0) for x in samples],
+            label=cause,
+        )
+    ax[2].set_ylabel("fallbacks (cumulative)")
+    if ax[2].lines:
+        ax[2].legend(fontsize=7)
+    reqs = data["runs"].get("ours", {}).get("requests") or []
+    ax[3].scatter([q["end_t"] for q in reqs], [q.get("ttft_s", 0) for q in reqs], s=3)
+    ax[3].set_ylabel("TTFT (s)")
+    ax[3].set_xlabel("seconds since load start")
+    for ev in data.get("faults") or []:
+        for a in ax:
+            a.axvline(ev["t"], color="red", alpha=0.3, lw=0.8)
+    ax[0].set_title(f"soak ({data['backend']}): red lines = injected faults")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,207 @@
+"""Engine side of the pressure run and the soak: one ``vllm.LLM`` per process.
+
+    python scripts/_stress_worker.py JOB.json      # writes job["out"]
+
+``job["mode"]``:
+
+* ``pressure``: the request list of `_soak_load.pressure_requests` on
+  ``job["streams"]`` streams (`StreamDriver`), outputs and counters recorded.
+* ``soak``: the load mix of `_soak_load.SoakStreams` until ``job["seconds"]``; every
+  second a memory sample and the connector/prefix-cache counters; writes
+  ``job["ready"]`` once the engine serves, so the parent starts its fault schedule.
+* ``replay``: ``job["replay"]`` prompts twice on this engine (as given, then reversed:
+  other batches, the numerics control), greedy. A ``soak`` job with ``replay`` does
+  this after its load (the soak's no-connector baseline engine).
+
+A failing engine is a result (``status``, ``crashes``), never a traceback only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+
+# Counters sampled over time by the soak (prefix match on the series name).
+SAMPLED = (
+    "vllm:draft_offload_lookup_",
+    "vllm:draft_offload_loaded_chunks",
+    "vllm:draft_offload_stored_chunks",
+    "vllm:draft_offload_fallbacks",
+    "vllm:draft_offload_refusals",
+    "vllm:draft_offload_spec_",
+    "vllm:prefix_cache_",
+    "vllm:external_prefix_cache_",
+    "vllm:spec_decode_num_",
+)
+
+
+def _counters() -> dict[str, float]:
+    from _bench_worker import snapshot_metrics
+
+    return {k: v for k, v in snapshot_metrics().items() if k.startswith(SAMPLED) and v}
+
+
+def _engine_info(llm: Any) -> dict[str, Any]:
+    vc = llm.llm_engine.vllm_config
+    return {
+        "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
+        "block_size": vc.cache_config.block_size,
+        "dtype": str(vc.model_config.dtype),
+        "max_model_len": vc.model_config.max_model_len,
+        "device": _device_name(),
+    }
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+class Worker:
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.out = Path(job["out"])
+        self.result: dict[str, Any] = {"mode": job["mode"], "status": "starting", "crashes": 0}
+        self.llm: Any = None
+
+    def save(self) -> None:
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result))
+        tmp.replace(self.out)
+
+    def start(self) -> None:
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(**self.job["engine_kwargs"])
+        self.result["engine"] = {"startup_s": time.perf_counter() - t0, **_engine_info(self.llm)}
+        self.result["status"] = "running"
+        self.save()
+
+    # ------------------------------------------------------------------ modes
+    def pressure(self) -> None:
+        from _soak_load import PressurePlan, pressure_requests
+        from _stress_engine import StreamDriver, memory_sample, queue_streams
+
+        plan = PressurePlan(**self.job["plan"])
+        requests = pressure_requests(plan, int(self.job["vocab"]))
+        before = _counters()
+        res = StreamDriver(self.llm, queue_streams(requests, plan.streams)).run()
+        self._driver_result(res)
+        self.result["counters"] = _delta(_counters(), before)
+        self.result["memory"] = memory_sample(self.llm, res.wall_s)
+        self.result["requests"] = [
+            {"kind": f.kind, "seq": f.seq, "output": f.output, **f.record} for f in res.finished
+        ]
+
+    def soak(self) -> None:
+        from _soak_load import SoakLoad, SoakStreams
+        from _stress_engine import StreamDriver, memory_sample
+
+        load = SoakLoad.from_dict(self.job["load"])
+        streams = SoakStreams(load, int(self.job["vocab"]))
+        samples: list[dict[str, Any]] = []
+        last_save = [time.perf_counter()]
+
+        def tick(t: float) -> None:
+            sample = memory_sample(self.llm, t) if self.job.get("memory", True) else {"t": t}
+            sample["counters"] = _counters()
+            samples.append(sample)
+            if time.perf_counter() - last_save[0] > 30:  # a hard crash keeps what ran
+                last_save[0] = time.perf_counter()
+                self.save()
+
+        self.result["samples"] = samples
+        Path(self.job["ready"]).write_text(str(time.time()))
+        res = StreamDriver(
+            self.llm,
+            [streams.make(i) for i in range(load.streams)],
+            deadline_s=float(self.job["seconds"]),
+            max_requests=int(self.job["max_requests"]),
+            on_tick=tick,
+        ).run()
+        tick(res.wall_s)
+        self._driver_result(res)
+        every = max(1, int(self.job.get("replay_every", 1)))
+        cap = int(self.job.get("replay_n", 0))
+        self.result["requests"] = [
+            {"kind": f.kind, "seq": f.seq, "submit_t": f.submit_t, "end_t": f.end_t, **f.record}
+            for f in res.finished
+        ]
+        self.result["replay_sample"] = [
+            {"seq": f.seq, "kind": f.kind, "prompt": f.prompt, "output": f.output}
+            for f in res.finished
+            if f.seq % every == 0
+        ][:cap]
+
+    def replay(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        items = self.job["replay"]
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in items]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=len(r["output"]), ignore_eos=True)
+            for r in items
+        ]
+        first = self.llm.generate(prompts, params, use_tqdm=False)
+        second = self.llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]
+        self.result["reference"] = [list(o.outputs[0].token_ids) for o in first]
+        self.result["control"] = [list(o.outputs[0].token_ids) for o in second]
+
+    def _driver_result(self, res: Any) -> None:
+        self.result.update(
+            crashes=res.crashes,
+            error=res.error,
+            traceback=res.traceback,
+            stopped_by=res.stopped_by,
+            wall_s=res.wall_s,
+            n_finished=len(res.finished),
+            tick_errors=res.tick_errors[:20],
+        )
+
+    def run(self) -> None:
+        self.start()
+        getattr(self, self.job["mode"])()
+        if self.job["mode"] == "soak" and self.job.get("replay"):
+            # the baseline engine replays ours' sample too: one engine start fewer
+            self.result["replay_reset"] = bool(self.llm.reset_prefix_cache())
+            self.replay()
+        self.result["status"] = "crashed" if self.result["crashes"] else "ok"
+        self.save()
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    worker = Worker(job)
+    try:
+        worker.run()
+    except BaseException as exc:  # noqa: BLE001 - any failure is a result to record
+        worker.result["status"] = "error"
+        worker.result["error"] = f"{type(exc).__name__}: {exc}"
+        worker.result["traceback"] = traceback.format_exc()[-8000:]
+        worker.save()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is saved: skip vLLM's teardown (tens of seconds on a small CPU box);
+    # the parent kills the process group, so no engine child outlives it.
+    os._exit(rc)

@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Soak: the connector with a CPU tier and a storage tier under load while storage fails.
+
+One engine (`DraftOffloadConnector`, CPU tier + LMCache ``fs://`` or ``redis://`` tier)
+serves ``--streams`` closed-loop streams of a load mix (shared system prompts,
+multi-turn chat, document QA larger than the GPU cache, divergent successors) for
+``--minutes``, while a thread of this process injects storage faults (outage, disk
+full, corrupted objects). Then a no-connector engine runs the same load for
+``--baseline-seconds`` (TTFT baseline) and then replays a sample of ours' finished
+requests twice (reference, and in reverse order as the numerics control). Every
+engine is a subprocess: a crash is a result.
+Writes ``OUT/soak.json``, ``OUT/soak.md`` and ``OUT/soak.png``; see docs/benchmark.md.
+
+    python scripts/soak.py --fixtures /root/fx --out /root/soak --minutes 10
+    python scripts/soak.py --fixtures /tmp/fx --out /tmp/soak --dry-run-cpu --seconds 20
+    python scripts/soak.py --report-only /root/soak/soak.json --out /tmp/rep
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+
+from _bench_workloads import parse_drafters  # noqa: E402
+from _soak_faults import FaultInjector, FsBackend, RedisBackend, RedisProcess, schedule, small_tmpfs  # noqa: E402
+from _soak_load import SoakLoad  # noqa: E402
+from _stress_engine import dtype_bytes, kv_bytes_per_token  # noqa: E402
+from _stress_jobs import (  # noqa: E402
+    EngineShape,
+    build_kwargs,
+    cpu_tier_bytes,
+    run_header,
+    run_job,
+    worker_env,
+)
+from _stress_report import soak_markdown, soak_plot, soak_summary  # noqa: E402
+from bench_spec_offload import read_model_limits  # noqa: E402
+
+DRY_LOAD = SoakLoad(
+    streams=8,
+    system_prompts=2,
+    system_len=96,
+    chat_turns=3,
+    user_len=16,
+    docs=4,
+    doc_len=256,
+    question_len=12,
+    div_prefix=64,
+    div_cont=12,
+    answer=8,
+    chunk_size=32,
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--fixtures")
+    ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
+    ap.add_argument("--drafter", default="eagle3", help="fixture name or METHOD:PATH")
+    ap.add_argument("--out", type=Path, default=Path("soak-out"))
+    ap.add_argument("--report-only", type=Path, metavar="JSON")
+    ap.add_argument("--dry-run-cpu", action="store_true", help="tiny load, CPU engine args")
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--seconds", type=float, help="overrides --minutes")
+    ap.add_argument("--backend", choices=("fs", "redis"), default="fs")
+    ap.add_argument("--l3-dir", type=Path, help="fs root (default: a tmpfs under OUT if root)")
+    ap.add_argument("--tmpfs-mb", type=int, help="size of that tmpfs (4096; dry run 64)")
+    ap.add_argument("--streams", type=int, help="concurrent streams (64; dry run 8)")
+    ap.add_argument("--baseline-seconds", type=float, help="no-connector TTFT run (120; dry: 1/2)")
+    ap.add_argument("--replay-n", type=int, help="finished requests replayed (64; dry run 8)")
+    ap.add_argument("--max-requests", type=int, help="bound on requests per engine")
+    ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
+    ap.add_argument("--dtype")
+    ap.add_argument("--compile", action="store_true", help="no --enforce-eager")
+    ap.add_argument("--engine-timeout", type=float, default=1200.0)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+@contextlib.contextmanager
+def storage(args: argparse.Namespace, out: Path, dry: bool) -> Iterator[tuple[str, Any, bool]]:
+    """(l3 url, fault backend, disk-full possible) for the run; cleaned up after it."""
+    if args.backend == "redis":
+        server = RedisProcess(out / "redis")
+        server.start()
+        try:
+            yield server.url, RedisBackend(server), True
+        finally:
+            server.stop()
+        return
+    if args.l3_dir is not None:
+        root = args.l3_dir.resolve()
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        yield f"fs://{root}", FsBackend(root, may_fill=False), False
+        return
+    size = args.tmpfs_mb or (64 if dry else 4096)
+    with small_tmpfs(out / "l3mnt", size) as mounted:
+        root = out / "l3mnt" / "l3"  # a subdirectory: a mount point cannot be renamed away
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        try:
+            yield f"fs://{root}", FsBackend(root, may_fill=mounted), mounted
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _start_when_ready(ready: Path, injector: FaultInjector, timeout: float) -> threading.Thread:
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if ready.exists():
+            injector.start()
+
+    t = threading.Thread(target=wait, name="soak-faults-wait", daemon=True)
+    t.start()
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out: Path = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        return _write(json.loads(args.report_only.read_text()), out)
+    model = args.model or (str(Path(args.fixtures) / "target") if args.fixtures else None)
+    if model is None:
+        raise SystemExit("give --model or --fixtures")
+    dry = args.dry_run_cpu
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    load = DRY_LOAD if dry else SoakLoad()
+    load = SoakLoad.from_dict({**load.to_dict(), "seed": args.seed})
+    if args.streams:
+        load = SoakLoad.from_dict({**load.to_dict(), "streams": args.streams})
+    load.validate()
+    drafter = parse_drafters(args.drafter, args.fixtures)[0]
+    chunk, block = load.chunk_size, 32 if dry else 16
+    dtype = args.dtype or ("float32" if dry else "auto")
+    elem = dtype_bytes(dtype, model)
+    bpt = kv_bytes_per_token(model, elem) + kv_bytes_per_token(drafter.path, elem)
+    longest = math.ceil(load.longest_request() / block) * block
+    shared = load.system_prompts * load.system_len + load.docs * load.doc_len + load.div_prefix
+    # the documents do not fit in the GPU cache (half of them do), the longest request does
+    gpu_tokens = max(load.docs * load.doc_len // 2, math.ceil(1.25 * longest))
+    cpu_bytes = cpu_tier_bytes(0.5, shared, bpt, chunk)  # so the storage tier serves too
+    shape = EngineShape(
+        model=model,
+        drafter=drafter,
+        block_size=block,
+        chunk_size=chunk,
+        num_spec_tokens=3,
+        dtype=dtype,
+        enforce_eager=dry or not args.compile,
+        gpu_memory_utilization=0.3 if dry else 0.5,
+        max_num_seqs=load.streams,
+        max_num_batched_tokens=max(512, longest) if dry else None,
+        max_model_len=longest,
+        gpu_blocks=math.ceil(gpu_tokens / block) + 1,
+        seed=args.seed,
+    )
+    vocab, _ = read_model_limits(model)
+    max_requests = args.max_requests or int(200 * seconds + 1000)
+    base_s = (
+        args.baseline_seconds
+        if args.baseline_seconds is not None
+        else (seconds / 2 if dry else 120.0)
+    )
+    env = worker_env(dry, args.batch_invariant)
+    data: dict[str, Any] = {
+        **run_header("soak", "soak.py", argv, dry, args.batch_invariant),
+        "backend": args.backend,
+        "seconds": seconds,
+        "load": load.to_dict(),
+        "drafter": {**drafter.__dict__, "label": drafter.label},
+        "chunk_size": chunk,
+        "gpu_tokens": gpu_tokens,
+        "cpu_bytes": cpu_bytes,
+        "kv_bytes_per_token_estimate": bpt,
+        "runs": {},
+        "faults": [],
+    }
+    common = {"dry_run": dry, "vocab": vocab, "load": load.to_dict(), "max_requests": max_requests}
+    t0 = time.time()
+    with storage(args, out, dry) as (url, backend, can_fill):
+        data["l3_url"], data["disk_full_possible"] = url, can_fill
+        ready = out / "jobs" / "ours.ready"
+        ready.unlink(missing_ok=True)
+        injector = FaultInjector(backend, [] if args.no_faults else schedule(seconds))
+        waiter = _start_when_ready(ready, injector, args.engine_timeout)
+        job = {
+            **common,
+            "mode": "soak",
+            "seconds": seconds,
+            "ready": str(ready),
+            "replay_n": args.replay_n or (8 if dry else 64),
+            "replay_every": 3 if dry else 25,
+            "engine_kwargs": build_kwargs(
+                "ours_disk", shape, cpu_bytes=cpu_bytes, l3_url=url, staging_mb=64 if dry else 512
+            ),
+        }
+        data["runs"]["ours"] = run_job(job, "ours", out, env, args.engine_timeout)
+        waiter.join(1)
+        data["faults"] = injector.stop() if injector.is_alive() or injector.events else []
+    (out / "soak.json").write_text(json.dumps(data))
+    sample = data["runs"]["ours"].get("replay_sample") or []
+    # One no-connector engine (GPU prefix cache on): the TTFT baseline under the same
+    # load for base_s, then the replay of ours' sample (reference + reversed control).
+    job = {**common, "mode": "soak" if base_s > 0 else "replay", "seconds": base_s}
+    job.update(ready=str(out / "jobs" / "baseline.ready"), replay=sample, memory=False)
+    job["engine_kwargs"] = build_kwargs("gpu_prefix", shape)
+    rec = run_job(job, "baseline", out, env, args.engine_timeout)
+    if base_s > 0:
+        data["runs"]["baseline"] = {**rec, "seconds": base_s}
+    data["runs"]["replay"] = {
+        "status": rec.get("status") if "reference" in rec else "not run",
+        "reference": rec.pop("reference", None),
+        "control": rec.pop("control", None),
+        "engine": "baseline (no connector, GPU prefix cache reset before the replay)",
+    }
+    data["total_wall_s"] = time.time() - t0
+    return _write(data, out)
+
+
+def _write(data: dict[str, Any], out: Path) -> int:
+    ours = data["runs"].get("ours", {})
+    data["device"] = (ours.get("engine") or {}).get("device")
+    data["summary"] = soak_summary(data)
+    (out / "soak.json").write_text(json.dumps(data))
+    (out / "soak.md").write_text(soak_markdown(data))
+    soak_plot(data, out / "soak.png")
+    s = data["summary"]
+    print(f"[soak] {s['verdict']}: {'; '.join(s['failed']) or 'ok'}; faults {s['faults_injected']}")
+    print(f"[soak] wrote {out}/soak.json, soak.md, soak.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
