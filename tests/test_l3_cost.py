@@ -3,6 +3,7 @@ made slow by a throttle (tests/l3_throttle.py)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from test_metrics import clean_registry, vllm_config  # noqa: F401
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
+from vllm_draft_offload import l3_cost
 from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.metrics_prom import PREFIX
@@ -158,7 +160,12 @@ def _slow_storage(model_dirs: tuple[Path, Path], url: str, policy: str) -> None:
     eng.worker.shutdown()
 
 
-def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+def test_fast_storage_hits_are_taken(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No wait on the probe: it is timed in the background (the waiting probe has
+    # its own tests below), so the first request recomputes whatever the timing.
+    monkeypatch.setattr(l3_cost, "PROBE_WAIT_FRACTION", 0.0)
     url = f"fs://{tmp_path / 'l3'}"
     prompts = _filled_storage(model_dirs, url)
     # 8 read threads: the 8 units load in one round, so the probe's timing (taken
@@ -254,3 +261,55 @@ def test_declined_chunks_reach_prometheus_and_the_log_line(
     prom.observe(stats.to_dict(), engine_idx=0)
     assert declined() == 5
     assert stats.reduce()["l3_declined_chunks"] == 5
+
+
+def test_first_hit_on_unmeasured_fast_storage_waits_for_its_probe(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Storage speed unknown, engine speed known: the first hit fetches one unit as a
+    probe, waits for it, then loads the rest of the prefix with the measured speed.
+
+    The simulated prefill is far faster than any storage, so the probe may wait for
+    as long as it needs here (on a GPU the default 5 % of the recompute time holds a
+    unit fetch); the decision after the probe still uses the real cost model."""
+    monkeypatch.setattr(l3_cost, "PROBE_WAIT_FRACTION", 1e6)
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "cost", io_threads=8)
+    # Loading beats recomputing whatever it costs (the probe is what is under test).
+    monkeypatch.setattr(
+        eng.scheduler.connector.scheduler.l3.cost.prefill,
+        "recompute_s",
+        lambda start, tokens: 1e3 * tokens,
+    )
+    published = _serve(eng, "first", prompts[0])
+    assert eng.external_hits["first"] == PROMPT_CHUNKS * CHUNK
+    assert published["chunks"]["load/l3"] == PROMPT_CHUNKS  # the probe + the rest
+    assert not published.get("l3_declined")
+    eng.worker.shutdown()
+
+
+def test_first_hit_on_slow_storage_waits_only_a_bounded_time(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A probe slower than its wait budget is abandoned: the request recomputes and
+    the probe still lands later, measuring the storage for the next request."""
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "cost")
+    throttle(eng.worker.worker.l3.store, get=3.0)
+    eng.evict_gpu_kv()
+    eng.take_published()
+    eng.add_request("first", prompts[0], max_tokens=1)
+    started = time.monotonic()
+    eng.run_prefill("first")
+    # Prefilled long before the 3 s probe lands (its budget: 5 % of a ms-scale recompute).
+    assert time.monotonic() - started < 2.5
+    assert eng.external_hits["first"] == 0
+    assert eng.mismatched_positions("first") == []
+    eng.run_until_done()  # the probe lands and times the storage for later requests
+    published = eng.take_published()
+    assert published["l3_declined"] == {"slower_than_recompute": PROMPT_CHUNKS}
+    assert eng.scheduler.connector.scheduler.l3.cost.storage.samples == 1
+    eng.worker.worker.l3.flush(10)
+    eng.worker.shutdown()

@@ -40,7 +40,11 @@ def test_fetch_never_evicts_the_requests_own_cpu_hit(
 ) -> None:
     """Head in the CPU tier (at the LRU front), tail only in storage, tier full."""
     url = f"fs://{tmp_path / 'l3'}"
-    eng = l3_engine(model_dirs, url, cpu_units=4)
+    # Every unit of the tier may wait for its L3 write (the default is half of it,
+    # which would drop P2, P3 from storage under this 4-unit tier).
+    l3 = {"enabled": True, "timeout_s": 2.0, "hit_policy": "always"}
+    l3["max_pending_write_bytes"] = 1 << 30
+    eng = l3_engine(model_dirs, url, cpu_units=4, extra_config={"l3": l3})
     full = prompt(31, 4 * CHUNK + 5)
     eng.add_request("full", full, max_tokens=1)
     eng.run_until_done()

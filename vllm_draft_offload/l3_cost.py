@@ -19,10 +19,11 @@ Two estimators, fed by what the connector sees anyway:
 
 `CostModel.chunks_worth_loading` picks how many leading chunks of a storage
 hit to load: the count that saves the most time, or none. The CPU tier is not
-involved: its hits are always taken. Until both the prefill fit and a storage
-timing exist, storage hits are declined: a request never waits on a storage
-whose speed is unknown, so the first hit is not slower than recompute. The
-prefetch then fetches one unit in the background as a probe (l3_prefetch.py).
+involved: its hits are always taken. Until a storage timing exists, the first
+storage hit fetches one unit as a probe and waits for it at most
+PROBE_WAIT_FRACTION of the hit's estimated recompute time (l3_prefetch.py); then
+it decides with the measured speed, or gives up and recomputes. So a hit on an
+unmeasured storage costs at most that fraction more than recomputing.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ PRIOR_LATENCY_S = 0.005
 PRIOR_BYTES_PER_S = 0.25e9
 # Weight of a new sample in the storage averages.
 EWMA_ALPHA = 0.2
+# A first storage hit waits on its probe fetch for at most this share of its
+# estimated recompute time: the worst case is recompute + 5 %.
+PROBE_WAIT_FRACTION = 0.05
 # Storage estimates older than this are refreshed by a probe fetch.
 REPROBE_S = 30.0
 # Step samples kept for the prefill fit, and the fewest that make a fit.
@@ -126,9 +130,15 @@ class PrefillEstimate:
         self.coef = coef / scale
 
     def recompute_s(self, start: int, tokens: int) -> float | None:
-        """Seconds to compute tokens [start, start + tokens) of one request; None: unknown."""
+        """Seconds to compute tokens [start, start + tokens) of one request; None: unknown.
+
+        Before the fit exists (fewer than MIN_SAMPLES steps), the fastest per-token
+        rate of the prefill steps seen so far stands in: it ignores the attention
+        term, so it underestimates a long prefix's recompute and errs towards
+        recomputing."""
         if self.coef is None:
-            return None
+            rates = [s / t for t, _, s in self._samples if t >= MIN_PREFILL_TOKENS]
+            return min(rates) * tokens if rates else None
         _, b, c = self.coef
         return float(b * tokens + c * tokens * (start + tokens / 2))
 
@@ -177,6 +187,13 @@ class CostModel:
 
     # ---------------------------------------------------------------- decision
 
+    def probe_wait_s(self, first_chunk: int, num_chunks: int) -> float:
+        """How long a first hit may wait on its probe fetch; 0: no estimate to bound it."""
+        compute = self.prefill.recompute_s(
+            first_chunk * self.chunk_size, num_chunks * self.chunk_size
+        )
+        return PROBE_WAIT_FRACTION * compute if compute else 0.0
+
     def chunks_worth_loading(self, first_chunk: int, num_chunks: int, round_trip: bool) -> int:
         """How many of chunks [first_chunk, first_chunk + num_chunks) to load from storage.
 
@@ -184,7 +201,7 @@ class CostModel:
         most time over recomputing them, 0 when none saves any or speed is unknown.
         """
         if self.storage.samples == 0:
-            return 0  # storage speed unknown: never make a request wait on it
+            return 0  # storage speed unknown: the prefetch probes it first
         best, best_gain = 0, 0.0
         extra = self.storage.round_trip_s if round_trip else 0.0
         start = first_chunk * self.chunk_size

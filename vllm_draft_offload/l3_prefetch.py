@@ -43,7 +43,10 @@ NOT_LOOKED_UP = "not_looked_up"
 @dataclass
 class L3RequestState:
     first_chunk: int
-    phase: str = "lookup"  # lookup -> fetch -> done
+    phase: str = "lookup"  # lookup -> [probe ->] fetch -> done
+    # Storage hits found by the lookup, and the probe's deadline (first hit only).
+    hits: int = 0
+    probe_deadline: float = 0.0
     lookup: Future[list[bool]] | None = None
     lookup_started: float = 0.0
     jobs: set[int] = field(default_factory=set)
@@ -121,10 +124,11 @@ class L3Prefetch:
         if first is None or first >= last:
             return False
         state = self._requests.get(req_id)
-        if state is not None and state.first_chunk < first < state.checked_until:
+        in_range = state is not None and state.first_chunk < first < state.checked_until
+        if in_range and state.phase != "probe":
             # Part of a range already looked up: the rest failed or is still coming.
             return bool(state.jobs) and time.monotonic() < state.deadline + self.timeout_s
-        if state is None or state.first_chunk != first:
+        if not in_range and (state is None or state.first_chunk != first):
             state = L3RequestState(first, deadline=time.monotonic() + self.timeout_s)
             self._requests[req_id] = state
             if (
@@ -158,6 +162,10 @@ class L3Prefetch:
                 return False
             self.cost.storage.observe_round_trip(time.perf_counter() - state.lookup_started)
             self._start_fetches(req_id, state, keys, present)
+        if state.phase == "probe":
+            if state.jobs and time.monotonic() < state.probe_deadline:
+                return True
+            self._after_probe(req_id, state, keys)
         if state.phase == "fetch":
             if state.jobs and time.monotonic() < state.deadline + self.timeout_s:
                 return True
@@ -174,6 +182,18 @@ class L3Prefetch:
             hits += 1
         self.stats.record_lookup("l3", hits, len(present) - hits)
         wanted = hits
+        state.hits = hits
+        if self.hit_policy == "cost" and hits and self.cost.storage.samples == 0:
+            # Storage speed unknown: fetch this request's first chunk as a probe and
+            # wait for it briefly (a bounded share of the recompute it would save).
+            wait_s = self.cost.probe_wait_s(state.first_chunk, hits)
+            job_id = self._reserve_fetch(req_id, keys[state.first_chunk]) if wait_s else None
+            if job_id is not None:
+                state.phase = "probe"
+                state.probe_deadline = time.monotonic() + wait_s
+                state.checked_until = state.first_chunk + hits
+                state.jobs.add(job_id)
+                return
         if self.hit_policy == "cost" and hits:
             wanted = self.cost.chunks_worth_loading(state.first_chunk, hits, round_trip=False)
             if wanted < hits:
@@ -185,6 +205,34 @@ class L3Prefetch:
         state.phase = "fetch" if wanted else "done"
         state.checked_until = state.first_chunk + max(hits, 1)
         for chunk in range(state.first_chunk, state.first_chunk + wanted):
+            job_id = self._reserve_fetch(req_id, keys[chunk])
+            if job_id is None:
+                break  # no free slot that is not this request's own: recompute the rest
+            state.jobs.add(job_id)
+        if not state.jobs:
+            state.phase = "done"
+
+    def _after_probe(self, req_id: str, state: L3RequestState, keys: Sequence[bytes]) -> None:
+        """The probe landed (or its wait ran out): fetch what the measured speed pays for."""
+        # The probe chunk sits in the CPU tier now, unless it failed or is still coming.
+        probed = 1 if not state.jobs and self.cost.storage.samples else 0
+        if state.jobs:
+            # Too slow to wait for: recompute. The fetch finishes in the background
+            # and still times the storage for later requests.
+            for job_id in state.jobs:
+                self.fetch_units[job_id] = (None, self.fetch_units[job_id][1])
+            state.jobs.clear()
+        wanted = 0
+        if probed and self.cost.storage.samples:
+            wanted = self.cost.chunks_worth_loading(state.first_chunk, state.hits, False)
+        taken = max(probed, wanted)
+        if taken < state.hits:
+            self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, state.hits - taken)
+        state.phase = "done"
+        if wanted <= 1:
+            return
+        state.phase = "fetch"
+        for chunk in range(state.first_chunk + 1, state.first_chunk + wanted):
             job_id = self._reserve_fetch(req_id, keys[chunk])
             if job_id is None:
                 break  # no free slot that is not this request's own: recompute the rest
@@ -230,7 +278,7 @@ class L3Prefetch:
         else:
             self.index.rekey(placeholder, final)
             self.index.commit(final)
-        if req_id is not None and state is not None and state.phase == "fetch":
+        if req_id is not None and state is not None and state.phase in ("probe", "fetch"):
             # Keep it until the request is admitted: later fetches must not evict it.
             self._pin(req_id, [final])
 
@@ -251,7 +299,7 @@ class L3Prefetch:
     def waiting(self, req_id: str) -> bool:
         """The request waits on a lookup or a fetch (for invariant checks)."""
         state = self._requests.get(req_id)
-        return state is not None and state.phase in ("lookup", "fetch")
+        return state is not None and state.phase in ("lookup", "probe", "fetch")
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
