@@ -89,7 +89,10 @@ DEFAULT_RETRY_INTERVAL_S: Final = 2.0
 # These keep per-object metadata, so variable-size objects come back at their real size.
 # RESP, S3, mooncake and the rest read back a fixed chunk-sized buffer and would truncate
 # or pad a unit.
-SAFE_SCHEMES: Final = frozenset({"fs", "redis", "rediss", "unix", "lm"})
+SAFE_SCHEMES: Final = frozenset({"fs", "redis", "rediss", "unix", "lm", "mooncakestore"})
+# These need LMCache's per-object RemoteMetadata (extra_config save_chunk_meta) to read a
+# unit back at its real length.
+NEEDS_CHUNK_META: Final = frozenset({"fs", "mooncakestore"})
 # These connectors keep a stateful socket that a failed or cancelled call can leave
 # mid-message; the only safe recovery is a fresh connector.
 RECONNECT_SCHEMES: Final = frozenset({"lm"})
@@ -163,14 +166,14 @@ class L3Settings:
                 f"supported: {sorted(SAFE_SCHEMES)} "
                 f"(set extra_config {EXTRA_PREFIX}l3_allow_any_connector to override)"
             )
-        if scheme == "fs":
+        if scheme in NEEDS_CHUNK_META:
             save_meta = (cfg.extra_config or {}).get("save_chunk_meta", True)
             if not save_meta:
-                # Without the per-file RemoteMetadata, FSConnector.get reads a fixed
+                # Without the per-object RemoteMetadata, the connector reads a fixed
                 # chunk-sized buffer and cannot know how long a unit is.
-                raise ConfigError("fs:// needs extra_config save_chunk_meta=true")
-            if plugin_name is None and url.startswith("fs:///"):
-                url = "fs://localhost:0/" + url[len("fs:///") :]
+                raise ConfigError(f"{scheme}:// needs extra_config save_chunk_meta=true")
+        if scheme == "fs" and plugin_name is None and url.startswith("fs:///"):
+            url = "fs://localhost:0/" + url[len("fs:///") :]
         if scheme in ("redis", "rediss", "unix") and plugin_name is None:
             url = _with_socket_timeouts(url, timeout_s)
         return cls(url, plugin_name, scheme, timeout_s, namespace, staging_bytes, retry)
@@ -323,6 +326,8 @@ def create_connector(
         _unique_fs_temp_names(inner)
     if isinstance(inner, RedisConnector):
         _atomic_redis_pairs(inner)
+    if type(inner).__name__ == "MooncakestoreConnector":
+        _checked_mooncake_calls(inner, settings.timeout_s)
     sock = getattr(inner, "client_socket", None)
     if settings.scheme == "lm" and sock is not None:
         # Without this a stalled server blocks the shared event loop thread forever.
@@ -396,6 +401,49 @@ def _atomic_redis_pairs(conn: RedisConnector) -> None:
 
     conn._put = types.MethodType(put_pair, conn)  # type: ignore[method-assign]
     conn._get = types.MethodType(get_pair, conn)  # type: ignore[method-assign]
+
+
+def _checked_mooncake_calls(conn: RemoteConnector, timeout_s: float) -> None:
+    """LMCache 0.5.6's Mooncake-store connector, made usable by the L3 store.
+
+    * Its ``get`` raises NotImplementedError ("use batched_get"); a one-key batch it is.
+    * Its ``exists`` calls the blocking ``is_exist`` on the event loop and passes its
+      negative error codes on as true; here it runs on a thread and errors raise.
+    * Its ``put`` ignores the status ``put_parts`` returns, so a put that Mooncake refuses
+      (no segment space: -600) looks stored; and it gives up after ``transfer_timeout``
+      (1 s by default) with a warning, reporting success. Here a negative status raises
+      ``OSError`` (an ``io`` error), and the only time limit is the store's own.
+    Mooncake keeps the first of two puts of one key whole and ignores the second, so
+    concurrent writers of one unit leave one whole object.
+    """
+    store = conn.store  # type: ignore[attr-defined]
+
+    async def get_one(self: RemoteConnector, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    async def exists(self: RemoteConnector, key: CacheEngineKey) -> bool:
+        # is_exist answers 1, 0, or a negative error code (which would read as "yes").
+        status = await asyncio.to_thread(store.is_exist, key.to_string())
+        if status < 0:
+            raise ConnectionError(f"mooncake is_exist returned {status}")
+        return status == 1
+
+    async def put_checked(self: RemoteConnector, key_str: str, memory_obj: MemoryObj) -> None:
+        kv_bytes = memory_obj.byte_array
+        metadata = RemoteMetadata(
+            len(kv_bytes),
+            memory_obj.get_shapes(),
+            memory_obj.get_dtypes(),
+            memory_obj.get_memory_format(),
+        ).serialize()
+        status = await asyncio.to_thread(store.put_parts, key_str, metadata, kv_bytes)
+        if status < 0:
+            raise OSError(f"mooncake put_parts of {key_str} returned {status}")
+
+    conn.config.transfer_timeout = timeout_s  # type: ignore[attr-defined]
+    conn.get = types.MethodType(get_one, conn)  # type: ignore[method-assign]
+    conn.exists = types.MethodType(exists, conn)  # type: ignore[method-assign]
+    conn._put_with_metadata = types.MethodType(put_checked, conn)  # type: ignore[attr-defined]
 
 
 def _inner(conn: RemoteConnector) -> RemoteConnector:
