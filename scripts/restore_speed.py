@@ -370,6 +370,9 @@ def main() -> None:
     engines = []
     for config in args.configs.split(","):
         engines += ["ours_l3_fill", "ours_l3_cold", "ours_l3"] if config == "ours_l3" else [config]
+    if "ours_l3_fill" in engines and unit_files(l3_dir):
+        # Units of an earlier run would count as written and hit after the restart.
+        raise SystemExit(f"--l3-dir {l3_dir} already holds units: give an empty directory")
     if "ours_l3_fill" in engines:
         # Before any unit is written: the directory's raw bandwidth, same run, same disk.
         report["raw_disk"] = measure(

@@ -60,9 +60,11 @@ def whole(blob: bytes) -> bool:
 
 def run_writers_and_read(cfg: dict[str, Any], writers: int = 2) -> dict[str, Any]:
     """Start the writer processes, read KEY from this one until they stop; count what was
-    seen. Writers are forked (each opens its own store after the fork): a fresh
-    interpreter would spend most of the test importing torch and LMCache."""
-    ctx = multiprocessing.get_context("fork")
+    seen. Writers come from a forkserver that has imported the store once: a fresh
+    interpreter per writer would spend most of the test importing torch and LMCache, and
+    a fork of the test process itself could inherit a lock some other thread holds."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["vllm_draft_offload.l3_store", "blake3"])
     go, results = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=writer, args=(cfg, w, go, results)) for w in range(writers)]
     for p in procs:
