@@ -1,14 +1,23 @@
 #!/usr/bin/env python
-"""How fast units come back from the LMCache storage tier, on this host's CPUs.
+"""How fast units come back from the LMCache storage tier, next to the raw disk.
 
     python scripts/l3_fetch_speed.py --url fs:///tmp/l3-speed [--unit-mb 36] [--units 16] \\
-        [--threads 1,2,4,8] [--out result.json]
+        [--threads 1,2,4,8] [--modes cold,warm] [--drop-caches] [--out result.json]
 
 Writes ``--units`` real target+draft units (the codec's format, ``--unit-mb`` each:
 36 MiB is one 256-token chunk of a Llama-3-8B shape plus a 4-layer drafter), then
 reads them back the way a restore does (fetch, decode and verify, copy into a host
 slot) from 1..N threads, and reports GB/s per thread count. This is the CPU side of
 an L3 hit; GPU time is not involved.
+
+* ``warm``: the units' files are in the page cache (a first pass puts them there).
+* ``cold`` (fs:// only): before every pass the units' files are evicted from the page
+  cache (``posix_fadvise(DONTNEED)``, or ``drop_caches`` with ``--drop-caches`` as root).
+
+For fs://, the same run measures the directory's raw bandwidth with ``_disk_baseline``
+(an O_DIRECT write with fsync; O_DIRECT, cold buffered and warm buffered reads, on the
+same thread counts) and reports each fetch figure as a fraction of the raw read of the
+same kind: cold fetch / raw cold buffered read, warm fetch / raw warm read.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
+from _disk_baseline import evict, measure
 
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import (
@@ -82,17 +93,34 @@ def read_all(store: L3Store, units: int, expected: ExpectedUnit, threads: int) -
     return time.perf_counter() - start
 
 
+def fs_directory(url: str) -> Path | None:
+    parts = urlsplit(url)
+    return Path(parts.path) if parts.scheme == "fs" else None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", required=True, help="LMCache remote_url, e.g. fs:///tmp/l3-speed")
     ap.add_argument("--unit-mb", type=float, default=36.0)
     ap.add_argument("--units", type=int, default=16)
-    ap.add_argument("--threads", default="1,2,4")
+    ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--modes", default="cold,warm", help="of cold (fs:// only), warm")
+    ap.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="cold passes drop the whole host's page cache (root) instead of the units' files",
+    )
+    ap.add_argument("--no-raw", action="store_true", help="skip the raw disk baseline")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     unit_bytes = int(args.unit_mb * 2**20) // NUM_LAYERS * NUM_LAYERS
-    staging_mb = max(64, int(2 * args.unit_mb * max(int(t) for t in args.threads.split(","))))
+    threads = [int(t) for t in args.threads.split(",")]
+    modes = args.modes.split(",")
+    directory = fs_directory(args.url)
+    if "cold" in modes and directory is None:
+        raise SystemExit("--modes cold needs an fs:// url: nothing else has a page cache to empty")
+    staging_mb = max(64, int(2 * args.unit_mb * max(threads)))
     store = L3Store.from_dict(
         {
             "chunk_size": 256,
@@ -100,26 +128,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "remote_serde": "naive",
             "extra_config": {"save_chunk_meta": True, "draft_offload.l3_staging_mb": staging_mb},
         },
-        timeout_s=60,
+        timeout_s=600,
     )
+    fetch: dict[str, dict[str, float]] = {mode: {} for mode in modes}
+    cold_method = None
     try:
         expected = write_units(store, args.units, unit_bytes)
-        results = {}
-        for threads in (int(t) for t in args.threads.split(",")):
-            best = min(read_all(store, args.units, expected, threads) for _ in range(args.reps))
-            results[str(threads)] = args.units * unit_bytes / best / 1e9
-            print(f"threads={threads}: {results[str(threads)]:.2f} GB/s", flush=True)
+        files = sorted(directory.glob("*.data")) if directory is not None else []
+        for n in threads:
+            for mode in modes:
+                best = float("inf")
+                for _ in range(args.reps):
+                    if mode == "cold":
+                        cold_method = evict(files, args.drop_caches)
+                    else:
+                        read_all(store, args.units, expected, n)  # into the page cache
+                    best = min(best, read_all(store, args.units, expected, n))
+                fetch[mode][str(n)] = args.units * unit_bytes / best / 1e9
+                print(f"threads={n} {mode}: {fetch[mode][str(n)]:.2f} GB/s", flush=True)
     finally:
         store.close()
-    report = {
+    report: dict[str, Any] = {
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "url": args.url,
         "unit_bytes": unit_bytes,
         "units": args.units,
-        "read_GBps_by_threads": results,
+        "fetch_GBps": fetch,
+        "cold_method": cold_method,
     }
+    if directory is not None and not args.no_raw:
+        # Same directory, same amount of data, same thread counts.
+        raw = measure(directory, args.units * unit_bytes, threads, args.drop_caches)
+        report["raw"] = raw
+        kinds = {"cold": "read_cold_GBps", "warm": "read_warm_GBps"}
+        report["fetch_vs_raw"] = {
+            mode: {t: gbps / raw[kinds[mode]][t] for t, gbps in fetch[mode].items()}
+            for mode in modes
+        }
+        print(
+            f"raw: write {raw['write_GBps']:.2f} GB/s (O_DIRECT={raw['write_direct']}), "
+            f"read direct {raw['read_direct_GBps']}, cold {raw['read_cold_GBps']}, "
+            f"warm {raw['read_warm_GBps']}",
+            flush=True,
+        )
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
     return report
 

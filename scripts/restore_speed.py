@@ -11,8 +11,19 @@ another, on the same prompts:
 * `native`: vLLM's OffloadingConnector, CPU tier;
 * `ours`: DraftOffloadConnector, CPU tier;
 * `ours_l3`: DraftOffloadConnector with an LMCache `fs://` tier, restarted: one
-  engine prefills and waits for its L3 writes, a second, fresh engine (empty CPU
-  tier) then hits every prompt from L3, and once more from the CPU tier.
+  engine (`ours_l3_fill`) prefills the prompts and waits for its L3 writes; then a
+  fresh engine (empty CPU tier) hits every prompt from L3, and once more from the
+  CPU tier. That restart runs twice: `ours_l3_cold` after the units' files were
+  evicted from the page cache, `ours_l3` (warm) with them cached.
+
+The L3 tier runs with the connector's DEFAULT settings; `--l3-io-threads`,
+`--l3-backlog-gib` and `--l3-staging-mb` override them. For `ours_l3` the report
+has the units found in storage once writes settle against the units expected
+(whole chunks of every prompt), the connector's own stored/dropped counters, the
+sustained L3 write throughput (bytes of the unit files over the time from the
+first to the last file's write), and, in the same run on the same directory, the
+raw disk bandwidth (`_disk_baseline`: O_DIRECT write with fsync; O_DIRECT, cold
+and warm buffered reads).
 
 Each runs with a `draft_model` drafter (a small Llama shape, same vocabulary),
 so the drafter's KV is offloaded and restored too. For a hit, a prompt is
@@ -32,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _disk_baseline import evict, measure
 
 LLAMA8B = {
     "hidden_size": 4096,
@@ -115,12 +128,19 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.config.startswith("ours"):
         extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "chunk_size": args.chunk_size}
         if args.config.startswith("ours_l3"):
-            extra["l3"] = {"enabled": True}
+            # Defaults unless a flag says otherwise: the benchmark measures what a user
+            # who only turns L3 on gets.
+            l3: dict[str, Any] = {"enabled": True}
+            if args.l3_io_threads:
+                l3["io_threads"] = args.l3_io_threads
+            if args.l3_backlog_gib:
+                l3["max_pending_write_bytes"] = int(args.l3_backlog_gib * 2**30)
+            extra["l3"] = l3
             extra["lmcache.remote_url"] = f"fs://{args.l3_dir}"
-            extra["lmcache.extra_config"] = {
-                "save_chunk_meta": True,
-                "draft_offload.l3_staging_mb": 2048,
-            }
+            lmcache_extra: dict[str, Any] = {"save_chunk_meta": True}
+            if args.l3_staging_mb:
+                lmcache_extra["draft_offload.l3_staging_mb"] = args.l3_staging_mb
+            extra["lmcache.extra_config"] = lmcache_extra
         return {
             "kv_connector": "DraftOffloadConnector",
             "kv_role": "kv_both",
@@ -141,12 +161,52 @@ def _loaded_by_connector() -> tuple[float, float]:
     )
 
 
-def _wait_for_l3_files(directory: Path, settle_s: float = 3.0, limit_s: float = 120.0) -> int:
+def unit_files(directory: Path) -> list[Path]:
+    """Whole units in an fs:// directory (temp files of writes in flight end in .tmp)."""
+    return sorted(directory.glob("*.data"))
+
+
+def write_throughput(files: list[Path]) -> dict[str, Any]:
+    """Sustained L3 write rate from the files themselves: the bytes of every file but the
+    first, over the time from the first file's last write to the last one's."""
+    if len(files) < 2:
+        return {"files": len(files), "GBps": None}
+    stats = sorted((f.stat() for f in files), key=lambda st: st.st_mtime_ns)
+    span_s = (stats[-1].st_mtime_ns - stats[0].st_mtime_ns) / 1e9
+    nbytes = sum(st.st_size for st in stats[1:])
+    return {
+        "files": len(files),
+        "bytes": nbytes + stats[0].st_size,
+        "first_to_last_s": span_s,
+        "GBps": nbytes / span_s / 1e9 if span_s > 0 else None,
+    }
+
+
+def _l3_counters() -> dict[str, float]:
+    """The connector's own L3 write counters."""
+    from _bench_summary import _sum_prefix
+    from _bench_worker import snapshot_metrics
+
+    counters = snapshot_metrics()
+    return {
+        "stored_chunks_l3": _sum_prefix(
+            counters, "vllm:draft_offload_stored_chunks_total", tier="l3"
+        ),
+        "l3_write_dropped": _sum_prefix(
+            counters, "vllm:draft_offload_fallbacks_total", cause="l3_write_dropped"
+        ),
+        "store_failed": _sum_prefix(
+            counters, "vllm:draft_offload_fallbacks_total", cause="store_failed"
+        ),
+    }
+
+
+def _wait_for_l3_files(directory: Path, settle_s: float = 3.0, limit_s: float = 300.0) -> int:
     """Wait until the L3 directory stops growing: the write-behind queue has drained."""
     deadline = time.monotonic() + limit_s
     last, stable_since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        count = sum(1 for f in directory.rglob("*") if f.is_file())
+        count = len(unit_files(directory))
         if count != last:
             last, stable_since = count, time.monotonic()
         elif count > 0 and time.monotonic() - stable_since >= settle_s:
@@ -226,7 +286,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
 
     results: dict[str, Any] = {"config": args.config, "fresh_s": []}
-    if args.config == "ours_l3":
+    if args.config in ("ours_l3", "ours_l3_cold"):
         for rep in range(args.reps):
             hit(rep, results)  # from L3: this engine's CPU tier starts empty
             hit(rep, results, "cpu_")
@@ -240,6 +300,11 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.config == "ours_l3_fill":
         empty_gpu_cache()  # every store done: the L3 writes are queued
         results["l3_files"] = _wait_for_l3_files(Path(args.l3_dir))
+        for _ in range(3):  # the worker's write events reach the metrics in later steps
+            step_engine()
+        results["l3_counters"] = _l3_counters()
+        results["l3_write"] = write_throughput(unit_files(Path(args.l3_dir)))
+        results["units_expected"] = args.reps * (args.tokens // args.chunk_size)
     return results
 
 
@@ -260,6 +325,18 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     parser.add_argument("--l3-dir", help="LMCache fs:// directory for ours_l3 (default: temp)")
+    parser.add_argument("--l3-io-threads", type=int, help="override l3.io_threads")
+    parser.add_argument("--l3-backlog-gib", type=float, help="override l3.max_pending_write_bytes")
+    parser.add_argument("--l3-staging-mb", type=int, help="override draft_offload.l3_staging_mb")
+    parser.add_argument(
+        "--raw-gib", type=float, default=4.0, help="size of the raw disk baseline file"
+    )
+    parser.add_argument("--raw-threads", default="1,4", help="thread counts of the raw reads")
+    parser.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="cold passes drop the whole host's page cache (root) instead of the unit files'",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--draft", help=argparse.SUPPRESS)
@@ -292,8 +369,22 @@ def main() -> None:
     }
     engines = []
     for config in args.configs.split(","):
-        engines += ["ours_l3_fill", "ours_l3"] if config == "ours_l3" else [config]
+        engines += ["ours_l3_fill", "ours_l3_cold", "ours_l3"] if config == "ours_l3" else [config]
+    if "ours_l3_fill" in engines and unit_files(l3_dir):
+        # Units of an earlier run would count as written and hit after the restart.
+        raise SystemExit(f"--l3-dir {l3_dir} already holds units: give an empty directory")
+    if "ours_l3_fill" in engines:
+        # Before any unit is written: the directory's raw bandwidth, same run, same disk.
+        report["raw_disk"] = measure(
+            l3_dir,
+            int(args.raw_gib * 2**30),
+            [int(t) for t in args.raw_threads.split(",")],
+            args.drop_caches,
+        )
+        print("raw_disk", json.dumps(report["raw_disk"]), flush=True)
     for config in engines:
+        if config == "ours_l3_cold":
+            report["l3_cold_method"] = evict(unit_files(l3_dir), args.drop_caches)
         child_out = work / f"{config}.json"
         cmd = [
             sys.executable, __file__, "--out", args.out, "--child", str(child_out),
@@ -302,6 +393,13 @@ def main() -> None:
             "--cpu-gib", str(args.cpu_gib), "--gpu-mem", str(args.gpu_mem),
             "--l3-dir", str(l3_dir),
         ]  # fmt: skip
+        for flag, value in (
+            ("--l3-io-threads", args.l3_io_threads),
+            ("--l3-backlog-gib", args.l3_backlog_gib),
+            ("--l3-staging-mb", args.l3_staging_mb),
+        ):
+            if value:
+                cmd += [flag, str(value)]
         if draft:
             cmd += ["--draft", draft]
         if args.enforce_eager:
@@ -331,13 +429,15 @@ def summarize(report: dict[str, Any]) -> None:
         "native": configs.get("native", {}),
         "ours": configs.get("ours", {}),
         "ours_l3_restart": configs.get("ours_l3", {}),
+        "ours_l3_restart_cold": configs.get("ours_l3_cold", {}),
     }
     for name, result in hits.items():
         hit = result.get("hit_s")
         if not hit:
             continue
         # After a restart every hit is a first hit of its prompt: no warm-up to drop.
-        steady = _median(hit if name == "ours_l3_restart" else hit[1:] or hit)
+        restart = name.startswith("ours_l3_restart")
+        steady = _median(hit if restart else hit[1:] or hit)
         cached = result["hit_cached"][-1]
         metric = result.get("restore_GBps_metric") or []
         summary[name] = {
@@ -352,6 +452,17 @@ def summarize(report: dict[str, Any]) -> None:
         }
         if result.get("cpu_hit_s"):
             summary[name]["cpu_hit_after_l3_ttft_s"] = _median(result["cpu_hit_s"])
+        if restart:
+            # Every prompt: tokens hit after the restart, and TTFT against this engine's
+            # own recompute of prompts it has never seen (and the recompute config's).
+            own = _median(result["fresh_s"]) if result.get("fresh_s") else None
+            summary[name]["hit_tokens_per_prompt"] = result["hit_cached"]
+            summary[name]["prompt_tokens"] = report["tokens"]
+            summary[name]["hit_ttft_s_per_prompt"] = hit
+            summary[name]["recompute_ttft_s_same_engine"] = own
+            summary[name]["ttft_vs_recompute_per_prompt"] = (
+                [h / (base or own) for h in hit] if (base or own) else None
+            )
     pinned = report.get("pinned_h2d_GBps")
     if "ours" in summary and pinned and summary["ours"]["restore_GBps_connector"]:
         summary["ours"]["restore_vs_pinned_memcpy"] = (
@@ -361,6 +472,27 @@ def summarize(report: dict[str, Any]) -> None:
         summary["ours_vs_native_ttft"] = (
             summary["ours"]["hit_ttft_s_steady"] / summary["native"]["hit_ttft_s_steady"]
         )
+    fill = configs.get("ours_l3_fill", {})
+    if "units_expected" in fill:
+        raw = report.get("raw_disk", {})
+        written = fill.get("l3_write", {})
+        summary["ours_l3_writes"] = {
+            "units_in_storage": fill["l3_files"],
+            "units_expected": fill["units_expected"],
+            "written_fraction": fill["l3_files"] / fill["units_expected"],
+            **fill.get("l3_counters", {}),
+            "sustained_write_GBps": written.get("GBps"),
+            "raw_write_GBps": raw.get("write_GBps"),
+            "write_vs_raw": written["GBps"] / raw["write_GBps"]
+            if written.get("GBps") and raw.get("write_GBps")
+            else None,
+        }
+    if "raw_disk" in report:
+        raw = report["raw_disk"]
+        summary["raw_disk"] = {
+            k: raw[k]
+            for k in ("write_GBps", "read_direct_GBps", "read_cold_GBps", "read_warm_GBps")
+        }
     report["summary"] = summary
     print(json.dumps(summary, indent=1), flush=True)
 

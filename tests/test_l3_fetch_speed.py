@@ -11,12 +11,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import l3_fetch_speed  # noqa: E402
 
 
-def test_fetch_speed_script_reports_every_thread_count(tmp_path: Path) -> None:
+def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "speed.json"
     report = l3_fetch_speed.main(
         ["--url", f"fs://{tmp_path / 'l3'}", "--unit-mb", "0.5", "--units", "3",
          "--threads", "1,2", "--reps", "1", "--out", str(out)]
     )  # fmt: skip
-    assert set(report["read_GBps_by_threads"]) == {"1", "2"}
-    assert all(v > 0 for v in report["read_GBps_by_threads"].values())
+    for mode in ("cold", "warm"):
+        assert set(report["fetch_GBps"][mode]) == {"1", "2"}
+        assert all(v > 0 for v in report["fetch_GBps"][mode].values())
+        assert set(report["fetch_vs_raw"][mode]) == {"1", "2"}
+    assert report["cold_method"] == "fadvise_dontneed"
+    raw = report["raw"]
+    assert raw["directory"] == str(tmp_path / "l3")
+    assert raw["write_GBps"] > 0 and raw["bytes"] > 0
+    assert set(raw["read_cold_GBps"]) == set(raw["read_warm_GBps"]) == {"1", "2"}
+    # The baseline file is gone; only the units remain.
+    assert {p.suffix for p in (tmp_path / "l3").iterdir()} == {".data"}
     assert json.loads(out.read_text())["units"] == 3
+
+
+def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> None:
+    from redis_fixture import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        import pytest
+
+        pytest.skip("redis-server not installed")
+    with RedisServer(tmp_path / "redis") as server:
+        report = l3_fetch_speed.main(
+            ["--url", server.url, "--unit-mb", "0.25", "--units", "2", "--threads", "1",
+             "--reps", "1", "--modes", "warm"]
+        )  # fmt: skip
+    assert set(report["fetch_GBps"]) == {"warm"} and "raw" not in report

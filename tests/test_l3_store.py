@@ -550,7 +550,12 @@ def test_lm_server_killed_then_replaced(tmp_path: Path) -> None:
 # ---- config -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "scheme"),
-    [("lmcache-fs.yaml", "fs"), ("lmcache-redis.yaml", "redis"), ("lmcache-lm.yaml", "lm")],
+    [
+        ("lmcache-fs.yaml", "fs"),
+        ("lmcache-redis.yaml", "redis"),
+        ("lmcache-lm.yaml", "lm"),
+        ("lmcache-mooncake.yaml", "mooncakestore"),
+    ],
 )
 def test_shipped_configs_parse_with_lmcache(name: str, scheme: str) -> None:
     cfg = load_lmcache_config(REPO / "configs" / name)

@@ -23,17 +23,33 @@ LMCache 0.5.6 behaviours this module works around (verified in the installed sou
 * ``RedisConnector.close`` calls the synchronous ``AsyncPQExecutor.shutdown`` from inside
   the loop and deadlocks it (a probe's close() never returned); ``close_connector`` shuts
   it down asynchronously instead.
-* ``RedisConnector._get`` never frees its buffer when ``kv_bytes`` and ``metadata``
-  disagree in length. The store keeps no reference to that failure's frames, so the
-  buffer goes back to the pool (see ``L3Store._run``).
+* ``RedisConnector`` keeps a unit as two keys, ``<key>kv_bytes`` and ``<key>metadata``
+  (length, shape), written by two SETs and read by two GETs. Each SET is atomic, but two
+  engines storing the same unit with different lengths (the JSON header of a unit holds
+  its successor token ids, so two variants can differ by a padding step) can interleave:
+  a reader then pairs one writer's metadata with the other's bytes, and the stored pair
+  can stay mismatched for good. ``l3_connector_fixes.atomic_redis_pairs`` writes both keys in one
+  MULTI/EXEC transaction and reads them in one, so every read sees one writer's pair.
+  Its read also checks the lengths before allocating; LMCache's ``_get`` leaked its
+  buffer on a mismatch.
 * ``LMCServerConnector`` does blocking socket I/O on the loop thread with no timeout.
   It also releases its lock between a GET reply's header and its body, so concurrent
   calls hand each other's bytes back. A 16-thread test reproduces this on 0.5.6. We set
   a socket timeout, and the store serializes every lm:// call.
+* LMCache 0.5.6's Mooncake-store connector cannot ``get`` one key, misreads ``exists``
+  errors and ignores refused puts; see ``l3_connector_fixes.checked_mooncake_calls``.
 * ``FSConnector.get`` returns None for any read error (a truncated file, say). The store
   tells those apart from misses with a follow-up ``exists``.
 * The ``fs://`` adapter needs a host:port (``fs:///p`` fails an assertion), so we rewrite
   ``fs:///p`` to ``fs://localhost:0/p``.
+* ``FSConnector.put`` writes every put of a key through one shared ``<name>.tmp`` path and
+  then renames it into place. Two engines sharing a directory and storing the same unit
+  open that one path together: one truncates the other's half-written file, or renames it
+  into place while the other is still writing into it, and the loser's rename fails. A
+  two-process test reproduces torn objects and failed puts on 0.5.6.
+  ``l3_connector_fixes.unique_fs_temp_names`` gives every put its own temp name (pid,
+  thread, counter), so each writer renames only a file it wrote whole; ``rename``
+  replaces the final name atomically, so a reader sees one writer's whole object.
 """
 
 from __future__ import annotations
@@ -59,7 +75,15 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.connector import CreateConnector
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
+from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+from vllm_draft_offload.l3_connector_fixes import (
+    atomic_redis_pairs,
+    checked_mooncake_calls,
+    unique_fs_temp_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +94,10 @@ DEFAULT_RETRY_INTERVAL_S: Final = 2.0
 # These keep per-object metadata, so variable-size objects come back at their real size.
 # RESP, S3, mooncake and the rest read back a fixed chunk-sized buffer and would truncate
 # or pad a unit.
-SAFE_SCHEMES: Final = frozenset({"fs", "redis", "rediss", "unix", "lm"})
+SAFE_SCHEMES: Final = frozenset({"fs", "redis", "rediss", "unix", "lm", "mooncakestore"})
+# These need LMCache's per-object RemoteMetadata (extra_config save_chunk_meta) to read a
+# unit back at its real length.
+NEEDS_CHUNK_META: Final = frozenset({"fs", "mooncakestore"})
 # These connectors keep a stateful socket that a failed or cancelled call can leave
 # mid-message; the only safe recovery is a fresh connector.
 RECONNECT_SCHEMES: Final = frozenset({"lm"})
@@ -144,14 +171,14 @@ class L3Settings:
                 f"supported: {sorted(SAFE_SCHEMES)} "
                 f"(set extra_config {EXTRA_PREFIX}l3_allow_any_connector to override)"
             )
-        if scheme == "fs":
+        if scheme in NEEDS_CHUNK_META:
             save_meta = (cfg.extra_config or {}).get("save_chunk_meta", True)
             if not save_meta:
-                # Without the per-file RemoteMetadata, FSConnector.get reads a fixed
+                # Without the per-object RemoteMetadata, the connector reads a fixed
                 # chunk-sized buffer and cannot know how long a unit is.
-                raise ConfigError("fs:// needs extra_config save_chunk_meta=true")
-            if plugin_name is None and url.startswith("fs:///"):
-                url = "fs://localhost:0/" + url[len("fs:///") :]
+                raise ConfigError(f"{scheme}:// needs extra_config save_chunk_meta=true")
+        if scheme == "fs" and plugin_name is None and url.startswith("fs:///"):
+            url = "fs://localhost:0/" + url[len("fs:///") :]
         if scheme in ("redis", "rediss", "unix") and plugin_name is None:
             url = _with_socket_timeouts(url, timeout_s)
         return cls(url, plugin_name, scheme, timeout_s, namespace, staging_bytes, retry)
@@ -307,6 +334,12 @@ def create_connector(
     )
     conn.post_init()
     inner = _inner(conn)
+    if isinstance(inner, FSConnector):
+        unique_fs_temp_names(inner)
+    if isinstance(inner, RedisConnector):
+        atomic_redis_pairs(inner)
+    if type(inner).__name__ == "MooncakestoreConnector":
+        checked_mooncake_calls(inner, settings.timeout_s)
     sock = getattr(inner, "client_socket", None)
     if settings.scheme == "lm" and sock is not None:
         # Without this a stalled server blocks the shared event loop thread forever.
