@@ -138,8 +138,13 @@ class L3Settings:
 
     @classmethod
     def from_lmcache_config(
-        cls, cfg: LMCacheEngineConfig, timeout_s: float | None = None
+        cls,
+        cfg: LMCacheEngineConfig,
+        timeout_s: float | None = None,
+        min_staging_bytes: int = 0,
     ) -> L3Settings:
+        """`min_staging_bytes` raises the default staging pool (not an explicit
+        `l3_staging_mb`) to what the caller's concurrent transfers need."""
         if timeout_s is None:
             timeout_s = float(_extra(cfg, "l3_timeout_s", cfg.blocking_timeout_secs))
         if timeout_s <= 0:
@@ -150,6 +155,8 @@ class L3Settings:
             # lm:// wire key, and '@' separates key fields.
             raise ConfigError(f"l3_namespace must match {_NAMESPACE_RE.pattern}: {namespace!r}")
         staging_bytes = int(float(_extra(cfg, "l3_staging_mb", DEFAULT_STAGING_MB)) * 2**20)
+        if _extra(cfg, "l3_staging_mb", None) is None:
+            staging_bytes = max(staging_bytes, min_staging_bytes)
         if staging_bytes <= 0:
             raise ConfigError("l3_staging_mb must be > 0")
         retry = float(_extra(cfg, "l3_retry_interval_s", DEFAULT_RETRY_INTERVAL_S))

@@ -84,11 +84,18 @@ class L3Error(Exception):
 
 class L3Store:
     def __init__(
-        self, lmcache_config: LMCacheEngineConfig, *, timeout_s: float | None = None
+        self,
+        lmcache_config: LMCacheEngineConfig,
+        *,
+        timeout_s: float | None = None,
+        min_staging_bytes: int = 0,
     ) -> None:
-        """``timeout_s`` overrides extra_config ``draft_offload.l3_timeout_s``."""
+        """``timeout_s`` overrides extra_config ``draft_offload.l3_timeout_s``;
+        ``min_staging_bytes`` raises the default staging pool (see L3Settings)."""
         try:
-            self.settings = L3Settings.from_lmcache_config(lmcache_config, timeout_s)
+            self.settings = L3Settings.from_lmcache_config(
+                lmcache_config, timeout_s, min_staging_bytes
+            )
         except ConfigError as e:
             raise L3Error("config", str(e)) from e
         self._cfg = lmcache_config
@@ -126,6 +133,7 @@ class L3Store:
         overrides: Mapping[str, Any] | None = None,
         *,
         timeout_s: float | None = None,
+        min_staging_bytes: int = 0,
     ) -> L3Store:
         """``config_file`` (else ``$LMCACHE_CONFIG_FILE``) plus ``LMCACHE_*`` env vars; then
         ``overrides``, which are LMCache keys without the ``lmcache.`` prefix."""
@@ -133,7 +141,7 @@ class L3Store:
             cfg = load_lmcache_config(config_file, overrides)
         except (ConfigError, OSError) as e:
             raise L3Error("config", str(e)) from e
-        return cls(cfg, timeout_s=timeout_s)
+        return cls(cfg, timeout_s=timeout_s, min_staging_bytes=min_staging_bytes)
 
     @classmethod
     def from_extra_config(

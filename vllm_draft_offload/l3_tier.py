@@ -47,10 +47,19 @@ def object_key(chunk_key: bytes, rank: int) -> str:
     return f"{chunk_key.hex()}{rank:04x}"
 
 
-def open_store(config: L3Config) -> L3Store | None:
-    """Connect to the configured backend; None (and a warning) when it is unreachable."""
+def open_store(config: L3Config, unit_bytes: int = 0) -> L3Store | None:
+    """Connect to the configured backend; None (and a warning) when it is unreachable.
+
+    With `unit_bytes`, the default staging pool holds io_threads reads and as many
+    writes at once: the unpinned host memory the tier may use, bounded by
+    `l3_staging_mb` when that is set."""
     try:
-        store = L3Store.from_lmcache(config.config_file, config.lmcache, timeout_s=config.timeout_s)
+        store = L3Store.from_lmcache(
+            config.config_file,
+            config.lmcache,
+            timeout_s=config.timeout_s,
+            min_staging_bytes=2 * config.io_threads * (unit_bytes + STAGING_HEADER_BYTES),
+        )
     except L3Error as exc:
         if exc.kind == "config":
             raise
@@ -65,12 +74,16 @@ def open_store(config: L3Config) -> L3Store | None:
     return store
 
 
+# Room for a unit's header in a staging buffer (generous: layer table and checksums).
+STAGING_HEADER_BYTES = 64 << 10
+
+
 def write_concurrency(io_threads: int, store: L3Store | None, unit_bytes: int) -> int:
     """Writes in flight per worker: io_threads, as far as half the staging pool holds
     them (the other half stays free for fetches, which a request waits on)."""
     if store is None:
         return 1
-    per_write = unit_bytes + (64 << 10)  # payload plus a generous header
+    per_write = unit_bytes + STAGING_HEADER_BYTES
     return max(1, min(io_threads, store.settings.staging_bytes // 2 // per_write))
 
 
@@ -105,7 +118,7 @@ class WorkerL3:
         self.layer_specs = tuple(
             LayerSpec(slot.name, slot.is_draft, slot.nbytes) for slot in layout.layers
         )
-        self.store = open_store(config)
+        self.store = open_store(config, layout.unit_bytes)
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind. Writes run one unit per task, as many at once as the
         # staging pool allows.
