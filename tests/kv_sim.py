@@ -396,7 +396,10 @@ class SimEngine:
         return (value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4).to(tensor.dtype)
 
     def step(self) -> Any:
-        sched_out = self.scheduler.schedule()
+        return self.execute(self.scheduler.schedule())
+
+    def execute(self, sched_out: Any) -> Any:
+        """Run one scheduled step as vLLM's model runner and its connector mixin do."""
         for new in sched_out.scheduled_new_reqs:
             self.external_hits[new.req_id] = self.scheduler.connector.scheduler.restored_tokens(
                 new.req_id
@@ -407,7 +410,10 @@ class SimEngine:
         worker = self.worker
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)
-        worker.start_load_kv(None)
+        # As vLLM's KVConnectorModelRunnerMixin: loads start before the forward only
+        # when this step reads one (a synchronous load), else after it.
+        if sched_out.has_sync_kv_loads:
+            worker.start_load_kv(None)
         if sched_out.num_scheduled_tokens:
             for name in self.kv_caches:
                 worker.wait_for_layer_load(name)
@@ -439,11 +445,14 @@ class SimEngine:
                     deferred.append((request, position, [*tokens, sampled[req_id]]))
         for request, position, tokens in deferred:
             self._write_position(request, position, tokens, draft_layers)
+        if not sched_out.has_sync_kv_loads:
+            worker.start_load_kv(None)
         worker.wait_for_save()
-        finished_sending, finished_recving = worker.get_finished(sched_out.finished_req_ids)
+        results = worker.get_transfer_results(sched_out.finished_req_ids)
         kv_out = KVConnectorOutput(
-            finished_sending=finished_sending,
-            finished_recving=finished_recving,
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
             kv_connector_stats=worker.get_kv_connector_stats(),
