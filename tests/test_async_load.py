@@ -171,8 +171,8 @@ class _HeldCopy:
         self.done = True
 
 
-def _hold_async_copies(eng: SimEngine) -> _HeldCopy:
-    async_loads = eng.worker.worker._async
+def _hold_async_copies(eng: SimEngine, rank: int = 0) -> _HeldCopy:
+    async_loads = eng.workers[rank].worker._async
     held, real = _HeldCopy(), async_loads.issued
     async_loads.issued = lambda jobs, event, keepalive: real(jobs, held, keepalive)
     return held
@@ -232,3 +232,55 @@ def test_request_aborted_while_waiting_for_its_load(
     eng.run_prefill("again")
     assert eng.external_hits["again"] == 2 * CHUNK
     assert eng.mismatched_positions("again") == []
+
+
+def test_tp_request_waits_for_every_rank(model_dirs: tuple[Path, Path]) -> None:
+    """vLLM's aggregator releases a request once every worker reported it; the
+    units stay pinned until every worker's copies are done."""
+    eng = engine(model_dirs, draft_layout="separate_group", tp=2)
+    tokens = prompt(36, 2 * CHUNK + 5)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    held = _hold_async_copies(eng, rank=1)  # rank 0's copies complete at once
+    eng.add_request("restored", tokens, max_tokens=2)
+    for _ in range(3):
+        assert eng.step().num_scheduled_tokens == {}
+    sched = sched_of(eng)
+    assert sum(entry.pins for entry in sched.index._entries.values()) == 2
+    held.done = True
+    eng.run_prefill("restored")
+    assert eng.external_hits["restored"] == 2 * CHUNK
+    assert eng.mismatched_positions("restored", rank=0) == []
+    assert eng.mismatched_positions("restored", rank=1) == []
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]
+    assert all(entry.pins == 0 for entry in sched.index._entries.values())
+
+
+def test_tp_load_failing_on_one_rank_recomputes(model_dirs: tuple[Path, Path]) -> None:
+    """Rank 1's copy of a unit is damaged: only its audit fails, and vLLM (through
+    its aggregator) recomputes the request on every rank."""
+    eng = engine(model_dirs, draft_layout="separate_group", tp=2, extra_config={"audit": True})
+    tokens = prompt(37, 2 * CHUNK + 5)
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    sched = sched_of(eng)
+    first = min(sched.index._entries.values(), key=lambda e: e.slot)
+    eng.workers[1].worker.pool.unit_view(first.slot)[:64] ^= 0x55
+    held = _hold_async_copies(eng, rank=0)  # the healthy rank is still copying
+    answers = _lookups(eng)
+    eng.add_request("restored", tokens, max_tokens=2)
+    for _ in range(2):
+        assert eng.step().num_scheduled_tokens == {}  # rank 1 failed, rank 0 busy
+    held.done = True
+    eng.run_prefill("restored")
+    assert answers == [(2 * CHUNK, True), (0, False)]  # the failed units were dropped
+    assert sched.restored_tokens("restored") == 0
+    for rank in (0, 1):
+        assert eng.mismatched_positions("restored", rank=rank) == []
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]
+    assert eng.take_published()["fallbacks"] == {"audit_mismatch": 1}
+    assert not sched.has_inflight_jobs()
