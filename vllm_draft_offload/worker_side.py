@@ -4,6 +4,8 @@ Loads are issued in `start_load_kv`, one batched copy per layer on a side
 stream with an event per layer; `wait_for_layer_load` makes the compute stream
 wait only for that layer, so restoring overlaps the forward layer by layer.
 Draft layers are copied last, since the drafter runs after the target.
+With several KV-cache groups loads are asynchronous instead (async_loads.py):
+the request runs only once its copies are done, so nothing waits per layer.
 
 Stores are issued in `wait_for_save`, which vLLM calls after the drafter's
 forward, so draft KV is complete. They run on another side stream after an
