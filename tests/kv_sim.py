@@ -536,6 +536,11 @@ class SimEngine:
             request = self.scheduler.requests.get(req_id)
             if request is not None and request.num_computed_tokens >= request.num_prompt_tokens:
                 return
+            if request is None and self.outputs.get(req_id):
+                raise AssertionError(
+                    f"{req_id} finished and was freed in its prefill step (max_tokens=1 with "
+                    "no store pending): nothing left to inspect; use max_tokens >= 2"
+                )
             if not sched_out.num_scheduled_tokens:
                 time.sleep(0.005)  # waiting on background I/O
         raise AssertionError(f"{req_id} did not finish its prefill")

@@ -117,6 +117,12 @@ def test_failed_load_with_separate_draft_group_recomputes(
     assert eng.take_published()["fallbacks"] == {cause: 1}
     assert not sched.has_inflight_jobs()
     assert all(entry.pins == 0 for entry in sched.index._entries.values())
+    # What the request recomputed was stored again: the whole prefix restores.
+    eng.evict_gpu_kv()
+    eng.add_request("again", tokens, max_tokens=2)
+    eng.run_prefill("again")
+    assert eng.external_hits["again"] == 3 * CHUNK
+    assert eng.mismatched_positions("again") == []
 
 
 @pytest.mark.parametrize("eagle", [False, True])
