@@ -43,6 +43,7 @@ from vllm.config import (
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.plugins import load_general_plugins
 from vllm.utils.hashing import sha256
@@ -149,6 +150,9 @@ class SimSetup:
     cpu_units: int = 64
     num_gpu_blocks: int = 96
     extra_config: dict[str, Any] = field(default_factory=dict)
+    # TP ranks: one worker connector each, with its own KV tensors (holding the
+    # same simulated KV) and host pool; vLLM's KVOutputAggregator merges outputs.
+    tp: int = 1
 
 
 def _draft_spec(setup: SimSetup) -> FullAttentionSpec:
@@ -284,10 +288,25 @@ class SimEngine:
         context = self.vllm_config.compilation_config.static_forward_context
         for name in self.kv_caches:
             context[name] = SimpleNamespace(is_draft_layer=name not in TARGET_LAYERS)
-        self.worker = DraftOffloadConnector(
-            self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
-        )
-        self.worker.register_kv_caches(self.kv_caches)
+        self.workers: list[DraftOffloadConnector] = []
+        self.rank_kv_caches = [self.kv_caches]
+        for rank in range(setup.tp):
+            if rank:
+                self.rank_kv_caches.append(
+                    allocate_kv_cache(
+                        kv_cache_config,
+                        torch.device("cpu"),
+                        self.vllm_config.cache_config.get_resolved_kv_cache_layout(),
+                    )
+                )
+            connector = DraftOffloadConnector(
+                self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
+            )
+            connector.worker.rank, connector.worker.counts_chunks = rank, rank == 0
+            connector.register_kv_caches(self.rank_kv_caches[rank])
+            self.workers.append(connector)
+        self.worker = self.workers[0]
+        self.aggregator = KVOutputAggregator(setup.tp)
         scheduler_kv_cache_config = generate_scheduler_kv_cache_config([kv_cache_config])
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
             scheduler_kv_cache_config, self.vllm_config
@@ -302,6 +321,9 @@ class SimEngine:
             hash_block_size=hash_block_size,
             log_stats=True,
         )
+        if setup.tp > 1:
+            # One CPU process cannot build a TP>1 ParallelConfig: tell the connector.
+            self.scheduler.connector.scheduler.world_size = setup.tp
         init_none_hash(sha256)
         self.block_hasher = get_request_block_hasher(hash_block_size, sha256)
         self.outputs: dict[str, list[int]] = {}
@@ -362,11 +384,11 @@ class SimEngine:
         tokens after it from `tokens` (the context, plus the sampled token once known)."""
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         for name in layers:
-            tensor = self.kv_caches[name]
             block_size = self.block_size_of[self.group_of[name]]
             block = block_ids[self.group_of[name]][position // block_size]
             value = self.expected_position(name, tokens, position)
-            tensor[block, :, position % block_size, :] = value
+            for caches in self.rank_kv_caches:
+                caches[name][block, :, position % block_size, :] = value
 
     def read_kv_digest(self, req_id: str, num_target: int, num_draft: int) -> bytes:
         """What attention reads: the first `num_target` positions of every target
@@ -396,7 +418,10 @@ class SimEngine:
         return (value + torch.arange(tensor.shape[-1], dtype=torch.float32) % 4).to(tensor.dtype)
 
     def step(self) -> Any:
-        sched_out = self.scheduler.schedule()
+        return self.execute(self.scheduler.schedule())
+
+    def execute(self, sched_out: Any) -> Any:
+        """Run one scheduled step as vLLM's model runner and its connector mixin do."""
         for new in sched_out.scheduled_new_reqs:
             self.external_hits[new.req_id] = self.scheduler.connector.scheduler.restored_tokens(
                 new.req_id
@@ -404,13 +429,16 @@ class SimEngine:
         meta = sched_out.kv_connector_metadata
         if meta.loads:
             self.load_metas.append(meta)
-        worker = self.worker
-        worker.bind_connector_metadata(meta)
-        worker.handle_preemptions(meta)
-        worker.start_load_kv(None)
-        if sched_out.num_scheduled_tokens:
-            for name in self.kv_caches:
-                worker.wait_for_layer_load(name)
+        for worker in self.workers:
+            worker.bind_connector_metadata(meta)
+            worker.handle_preemptions(meta)
+            # As vLLM's KVConnectorModelRunnerMixin: loads start before the forward
+            # only when this step reads one (a synchronous load), else after it.
+            if sched_out.has_sync_kv_loads:
+                worker.start_load_kv(None)
+            if sched_out.num_scheduled_tokens:
+                for name in self.kv_caches:
+                    worker.wait_for_layer_load(name)
         target_layers = [name for name in self.kv_caches if name not in self.draft_names]
         draft_layers = [name for name in self.kv_caches if name in self.draft_names]
         later = self.draft_successors
@@ -439,25 +467,35 @@ class SimEngine:
                     deferred.append((request, position, [*tokens, sampled[req_id]]))
         for request, position, tokens in deferred:
             self._write_position(request, position, tokens, draft_layers)
-        worker.wait_for_save()
-        finished_sending, finished_recving = worker.get_finished(sched_out.finished_req_ids)
-        kv_out = KVConnectorOutput(
-            finished_sending=finished_sending,
-            finished_recving=finished_recving,
-            kv_connector_worker_meta=worker.build_connector_worker_meta(),
-            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-            kv_connector_stats=worker.get_kv_connector_stats(),
-        )
-        worker.clear_connector_metadata()
         req_ids = list(sched_out.num_scheduled_tokens)
-        runner_out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=kv_out,
+        runner_outs = []
+        for worker in self.workers:
+            if not sched_out.has_sync_kv_loads:
+                worker.start_load_kv(None)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(sched_out.finished_req_ids)
+            kv_out = KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_stats=worker.get_kv_connector_stats(),
+            )
+            worker.clear_connector_metadata()
+            runner_outs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=[],
+                    kv_connector_output=kv_out,
+                )
+            )
+        runner_out = (
+            runner_outs[0] if len(runner_outs) == 1 else self.aggregator.aggregate(runner_outs)
         )
         engine_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         # Tokens the engine accepted (a step whose KV load failed emits none).
@@ -470,13 +508,13 @@ class SimEngine:
                 self.published.aggregate(DraftOffloadStats(data=stats.kv_connector_stats))
         return sched_out
 
-    def mismatched_positions(self, req_id: str) -> list[tuple[str, int]]:
-        """(layer, position) pairs whose KV differs from a fresh prefill's."""
+    def mismatched_positions(self, req_id: str, rank: int = 0) -> list[tuple[str, int]]:
+        """(layer, position) pairs whose KV differs from a fresh prefill's (on `rank`)."""
         request = self.scheduler.requests[req_id]
         tokens = list(request.all_token_ids)
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         bad = []
-        for name, tensor in self.kv_caches.items():
+        for name, tensor in self.rank_kv_caches[rank].items():
             group = self.group_of[name]
             block_size = self.block_size_of[group]
             computed = request.num_computed_tokens
@@ -498,6 +536,11 @@ class SimEngine:
             request = self.scheduler.requests.get(req_id)
             if request is not None and request.num_computed_tokens >= request.num_prompt_tokens:
                 return
+            if request is None and self.outputs.get(req_id):
+                raise AssertionError(
+                    f"{req_id} finished and was freed in its prefill step (max_tokens=1 with "
+                    "no store pending): nothing left to inspect; use max_tokens >= 2"
+                )
             if not sched_out.num_scheduled_tokens:
                 time.sleep(0.005)  # waiting on background I/O
         raise AssertionError(f"{req_id} did not finish its prefill")
@@ -515,5 +558,6 @@ class SimEngine:
 
     def corrupt_device_kv(self) -> None:
         """Overwrite every GPU block: whatever a later request reads must be loaded."""
-        for tensor in self.kv_caches.values():
-            tensor.fill_(-999.0)
+        for caches in self.rank_kv_caches:
+            for tensor in caches.values():
+                tensor.fill_(-999.0)

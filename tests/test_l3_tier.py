@@ -72,13 +72,27 @@ def fill_l3(
     return first
 
 
-def run_restart(model_dirs: tuple[Path, Path], url: str, eagle: bool) -> None:
+def run_restart(
+    model_dirs: tuple[Path, Path], url: str, eagle: bool, draft_layout: str = "shared_group"
+) -> None:
     tokens = prompt(21, 3 * CHUNK + 9)
-    first = fill_l3(model_dirs, url, tokens, max_tokens=3, eagle=eagle)
+    first = fill_l3(model_dirs, url, tokens, max_tokens=3, eagle=eagle, draft_layout=draft_layout)
 
-    second = l3_engine(model_dirs, url, eagle=eagle)
+    second = l3_engine(model_dirs, url, eagle=eagle, draft_layout=draft_layout)
+    sched = second.scheduler.connector.scheduler
+    real_lookup, answers = sched.get_num_new_matched_tokens, []
+
+    def recording_lookup(request, num_computed_tokens):  # noqa: ANN001, ANN202
+        answers.append(real_lookup(request, num_computed_tokens))
+        return answers[-1]
+
+    sched.get_num_new_matched_tokens = recording_lookup
     second.add_request("after-restart", tokens, max_tokens=3)
     second.run_prefill("after-restart")
+    # The request waits for its fetches (None), then loads from the CPU tier:
+    # asynchronously when the drafter has its own KV-cache group.
+    assert answers[0] == (None, False)
+    assert answers[-1] == (3 * CHUNK, draft_layout == "separate_group")
     assert second.external_hits["after-restart"] == 3 * CHUNK
     assert second.mismatched_positions("after-restart") == []
     second.run_until_done()
@@ -93,6 +107,12 @@ def test_restart_restores_from_persistent_path(
     model_dirs: tuple[Path, Path], tmp_path: Path, eagle: bool
 ) -> None:
     run_restart(model_dirs, f"fs://{tmp_path / 'l3'}", eagle)
+
+
+def test_restart_restores_into_separate_draft_group(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_restart(model_dirs, f"fs://{tmp_path / 'l3'}", eagle=True, draft_layout="separate_group")
 
 
 def test_restart_restores_from_redis(model_dirs: tuple[Path, Path], redis_url: str) -> None:

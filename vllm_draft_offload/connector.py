@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -81,6 +82,11 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("DraftOffloadConnector does not support pipeline parallelism yet")
         self._scheduler: DraftOffloadScheduler | None = None
         self._worker: DraftOffloadWorker | None = None
+        # vLLM 0.33 maps per-block load errors back to requests only with one
+        # KV-cache group (block ids are per group; it raises otherwise). With more
+        # groups a failed load must be reported per request (failed_recving), which
+        # vLLM honours only for asynchronous loads: hits load one step ahead.
+        async_loads = len(kv_cache_config.kv_cache_groups) > 1
         if role == KVConnectorRole.SCHEDULER:
             layout = build_unit_layout(kv_cache_config, self.config.chunk_size)
             self.config.check_budget(layout.unit_bytes)
@@ -110,6 +116,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     if vllm_config.speculative_config is not None
                     else 0
                 ),
+                async_loads=async_loads,
             )
             # A failed restore must fall back to recomputing, never fail the request.
             transfer_config.kv_load_failure_policy = "recompute"
@@ -133,6 +140,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 rank=_tp_rank(),
                 # The audit reads fp8 caches, which vLLM allocates as bytes, as fp8.
                 kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+                async_loads=async_loads,
             )
 
     @property
@@ -184,7 +192,15 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished(finished_req_ids)
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Failed asynchronous loads are in finished_recving too (vLLM's contract).
+        sending, recving, failed = self.worker.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

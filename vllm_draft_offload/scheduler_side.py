@@ -70,6 +70,8 @@ class JobRecord:
     # Store only: the chunk its plan started at; a failed store is retried from here.
     first_chunk: int = 0
     after_loads: tuple[int, ...] = ()  # store only: TransferJob.after_loads
+    # Load only: the request waits for it in WAITING_FOR_REMOTE_KVS (async_loads).
+    asynchronous: bool = False
 
 
 class DraftOffloadScheduler:
@@ -82,6 +84,7 @@ class DraftOffloadScheduler:
         world_size: int,
         decode_query_len: int = 1,
         min_compute_tokens: int = 1,
+        async_loads: bool = False,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -92,6 +95,9 @@ class DraftOffloadScheduler:
         # loading requests are no longer than this may be replayed as a full CUDA graph.
         self.decode_query_len = decode_query_len
         self.min_compute_tokens = min_compute_tokens
+        # Hits load asynchronously (see DraftOffloadConnector): the request waits
+        # one step, and a failed load is reported per request, not per block.
+        self.async_loads = async_loads
         self.salt = make_salt({**identity, "geometry": layout.fingerprint()})
         num_slots = config.cpu_bytes // layout.unit_bytes
         self.index = CpuTierIndex(num_slots)
@@ -204,7 +210,7 @@ class DraftOffloadScheduler:
         state.pending_match = match
         if self.audit.divert(request.request_id, match):
             return 0, False  # audited: vLLM recomputes the prefix, compared at store time
-        return match.num_tokens, False
+        return match.num_tokens, self.async_loads and match.num_tokens > 0
 
     def _record_admission(self, match: PrefixMatch, num_tokens: int) -> None:
         """Lookup stats, once per admitted request (vLLM may ask several times)."""
@@ -268,6 +274,15 @@ class DraftOffloadScheduler:
                 match.start_token,
                 match.end_token,
             )
+        if self.async_loads and loaded_end < match.end_token:
+            # vLLM recomputes a failed asynchronous load whole (and looks it up
+            # again, finding the chunks still stored): copy nothing, and keep the
+            # units, which are sound.
+            for unit_id in units:
+                self.index.unpin(unit_id)
+            units, loaded_end = [], match.start_token
+            host_pages = [[] for _ in self.layout.groups]
+            gpu_blocks = [[] for _ in self.layout.groups]
         job = TransferJob(
             next(self._job_ids),
             request.request_id,
@@ -276,7 +291,10 @@ class DraftOffloadScheduler:
             gpu_blocks,
             error_blocks=[block for blocks in error_blocks for block in blocks],
         )
-        self._add_job(job.job_id, JobRecord(request.request_id, "load", units))
+        self._add_job(
+            job.job_id,
+            JobRecord(request.request_id, "load", units, asynchronous=self.async_loads),
+        )
         state.inflight_jobs.add(job.job_id)
         state.restored_tokens = max(0, loaded_end - match.start_token)
         # Chunks already in the tier need no store; skip past them.
@@ -334,7 +352,8 @@ class DraftOffloadScheduler:
         )
         for fetch in meta.fetches:
             self._add_job(fetch.job_id, JobRecord("", "fetch", []))
-        meta.wait_loads_before_forward = any(
+        # Asynchronous loads are not read by this step's forward.
+        meta.wait_loads_before_forward = not self.async_loads and any(
             scheduler_output.num_scheduled_tokens.get(job.req_id, 0) <= self.decode_query_len
             for job in meta.loads
         )
@@ -386,6 +405,14 @@ class DraftOffloadScheduler:
         if state is None:
             return False, None
         self._record_acceptance(request, restored=state.restored_tokens > 0)
+        if any(
+            (record := self._jobs.get(job_id)) is not None and record.asynchronous
+            for job_id in state.inflight_jobs
+        ):
+            # Finished while waiting for its load (aborted): it computed nothing to
+            # store, and vLLM holds its blocks until the load is reported in
+            # finished_recving. A finishing store would free them a second time.
+            return False, None
         job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
         if job is None:
             return False, None
@@ -478,6 +505,8 @@ class DraftOffloadScheduler:
 
     def _after_failure(self, state: RequestState, job_id: int, record: JobRecord) -> None:
         if record.direction == "load":
+            if record.asynchronous:
+                state.restored_tokens = 0  # vLLM recomputes it from token 0
             # Stores computed on the failed blocks (same step: workers refuse them too;
             # this request's later ones under async scheduling) are never published.
             for other_id, other in self._jobs.items():

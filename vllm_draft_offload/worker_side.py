@@ -4,6 +4,8 @@ Loads are issued in `start_load_kv`, one batched copy per layer on a side
 stream with an event per layer; `wait_for_layer_load` makes the compute stream
 wait only for that layer, so restoring overlaps the forward layer by layer.
 Draft layers are copied last, since the drafter runs after the target.
+With several KV-cache groups loads are asynchronous instead (async_loads.py):
+the request runs only once its copies are done, so nothing waits per layer.
 
 Stores are issued in `wait_for_save`, which vLLM calls after the drafter's
 forward, so draft KV is complete. They run on another side stream after an
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_draft_offload.async_loads import AsyncLoads
 from vllm_draft_offload.audit import RecomputeComparer
 from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
@@ -80,8 +83,12 @@ class DraftOffloadWorker:
         drafter_id: str = "",
         rank: int = 0,
         kv_cache_dtype: str = "auto",
+        async_loads: bool = False,
     ) -> None:
         self.config = config
+        # Several KV-cache groups: loads are asynchronous (see DraftOffloadConnector).
+        self.async_loads = async_loads
+        self._async = AsyncLoads()
         self.kv_cache_dtype = kv_cache_dtype
         self.drafter_id = drafter_id
         self.rank = rank
@@ -196,6 +203,10 @@ class DraftOffloadWorker:
         reported for recompute."""
         valid = []
         for job in jobs:
+            if job.error_blocks and self.async_loads:
+                # The scheduler planned no copies: vLLM recomputes the request whole.
+                self._fail_load(job, "load_error")
+                continue
             if job.error_blocks:
                 self.stats.record_fallback("load_error")
                 self._load_error_blocks.update(job.error_blocks)
@@ -260,6 +271,10 @@ class DraftOffloadWorker:
         self._worker_meta.failed_jobs[job.job_id] = 1
         self._failed_load_reqs.add(job.req_id)
         self._failed_load_jobs.add(job.job_id)
+        if self.async_loads:
+            # Per-block errors cannot be mapped to requests with several groups.
+            self._async.failed(job.req_id)
+            return
         for blocks in job.gpu_blocks:
             self._load_error_blocks.update(blocks)
 
@@ -284,26 +299,36 @@ class DraftOffloadWorker:
             self._load_stream.wait_stream(torch.cuda.current_stream())
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record(self._load_stream)
+        last_event: torch.Event | None = None
+        keepalive: list[torch.Tensor] = []
         for region in self._ordered_regions():
             desc = Descriptors.concat([copies[region.slot.name] for _, copies in planned])
             num_bytes[region.slot.is_draft] += desc.num_bytes
             if self._on_device:
                 assert self._load_stream is not None
-                self._load_keepalive += run_descriptors_on_stream(desc, self._load_stream)
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self._load_stream)
-                self._layer_events[region.slot.name] = event
-                self._last_load_event = event
+                keepalive += run_descriptors_on_stream(desc, self._load_stream)
+                last_event = torch.cuda.Event(enable_timing=True)
+                last_event.record(self._load_stream)
+                if not self.async_loads:
+                    self._layer_events[region.slot.name] = last_event
             else:
                 run_descriptors_on_host(desc)
-        if meta.wait_loads_before_forward and self._last_load_event is not None:
-            torch.cuda.current_stream().wait_event(self._last_load_event)
+        if self.async_loads:
+            # No forward reads these blocks before every worker reports the
+            # request in finished_recving: no waits, only the final event.
+            self._async.issued({job.job_id: job.req_id for job in loads}, last_event, keepalive)
+        else:
+            self._load_keepalive += keepalive
+            if last_event is not None:
+                self._last_load_event = last_event
+            if meta.wait_loads_before_forward and last_event is not None:
+                torch.cuda.current_stream().wait_event(last_event)
+            for job in loads:
+                self._worker_meta.completed_jobs[job.job_id] = 1
         chunks = self._num_chunks(loads) if self.counts_chunks else 0
-        if start_event is not None and self._last_load_event is not None:
+        if start_event is not None and last_event is not None:
             self._timed_loads.append(
-                InflightLoad(
-                    start_event, self._last_load_event, num_bytes[False], num_bytes[True], chunks
-                )
+                InflightLoad(start_event, last_event, num_bytes[False], num_bytes[True], chunks)
             )
         else:
             self.stats.record_transfer(
@@ -314,8 +339,6 @@ class DraftOffloadWorker:
                 chunks,
                 time.perf_counter() - started,
             )
-        for job in loads:
-            self._worker_meta.completed_jobs[job.job_id] = 1
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         event = self._layer_events.pop(self._aliases.get(layer_name, layer_name), None)
@@ -456,10 +479,17 @@ class DraftOffloadWorker:
     def _num_chunks(self, jobs: list[TransferJob]) -> int:
         return sum(len(self._job_slots(job)) for job in jobs)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) of this worker."""
         self._poll_loads()
-        done = self._poll_stores()
-        return (done or None), None
+        sending = self._poll_stores()
+        done_jobs, recving, failed = self._async.poll()
+        for job_id in done_jobs:
+            # Unpinned by the scheduler once every worker's copies are done.
+            self._worker_meta.completed_jobs[job_id] = 1
+        return sending, recving, failed
 
     def _drain_l3(self) -> None:
         l3 = self.l3
@@ -525,6 +555,7 @@ class DraftOffloadWorker:
         return blocks
 
     def shutdown(self) -> None:
+        self._async.synchronize()
         for store in self._stores:
             if store.event is not None:
                 store.event.synchronize()
