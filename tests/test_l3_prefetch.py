@@ -40,7 +40,13 @@ def test_fetch_never_evicts_the_requests_own_cpu_hit(
 ) -> None:
     """Head in the CPU tier (at the LRU front), tail only in storage, tier full."""
     url = f"fs://{tmp_path / 'l3'}"
-    eng = l3_engine(model_dirs, url, cpu_units=4)
+    probe = l3_engine(model_dirs, url)
+    unit = probe.unit_bytes
+    probe.worker.shutdown()
+    # All four of P's units must reach storage (the default, half the tier, drops P2, P3).
+    l3 = {"enabled": True, "timeout_s": 2.0, "hit_policy": "always"}
+    l3["max_pending_write_bytes"] = 4 * unit
+    eng = l3_engine(model_dirs, url, cpu_units=4, extra_config={"l3": l3})
     full = prompt(31, 4 * CHUNK + 5)
     eng.add_request("full", full, max_tokens=1)
     eng.run_until_done()
