@@ -107,13 +107,22 @@ def test_burst_keeps_every_prompts_head_and_drops_tails(
     probe = l3_engine(model_dirs, url)
     unit = l3_units_of(probe)
     probe.worker.shutdown()
-    # Room for 5 queued units; three prompts of 4 chunks arrive together.
-    l3 = {"enabled": True, "timeout_s": 2.0, "max_pending_write_bytes": 5 * unit}
+    # Room for 5 queued units; three prompts of 4 chunks arrive together. No storage
+    # reads: a request waits for its storage lookup, so with them the prompts would be
+    # admitted (and their writes planned) in whatever order the lookup threads finish.
+    l3 = {
+        "enabled": True,
+        "timeout_s": 2.0,
+        "max_pending_write_bytes": 5 * unit,
+        "hit_policy": "never",
+    }
     eng = l3_engine(model_dirs, url, extra_config={"l3": l3})
     prompts = {name: prompt(40 + i, 4 * CHUNK + 5) for i, name in enumerate("ABC")}
     with writes_held(eng):
         for name, tokens in prompts.items():
             eng.add_request(name, tokens, max_tokens=1)
+        admitted = [new.req_id for new in eng.step().scheduled_new_reqs]
+        assert admitted == list(prompts)  # one step, in arrival order
         serve(eng)
     settle_writes(eng)
     eng.step()

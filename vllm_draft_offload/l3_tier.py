@@ -147,7 +147,8 @@ class WorkerL3:
     # ------------------------------------------------------------------ writes
 
     def expect_writes(self, orders: list[L3WriteOrder]) -> None:
-        """Orders of a store job just issued; they are queued once its copy lands."""
+        """Orders of a store job just issued; they are queued once its copy lands and
+        the scheduler has confirmed the job on every rank (write_units)."""
         with self._write_cv:
             self._awaiting_store.update(order.write_id for order in orders)
 
@@ -175,6 +176,27 @@ class WorkerL3:
                     self._cancelled.discard(order.write_id)
                     continue
                 self._give_up(order.write_id)
+
+    def abandon_writes(self, orders: list[L3WriteOrder]) -> None:
+        """Shutdown: these orders were never confirmed by the scheduler, so they are not
+        written; counted (and logged) as lost."""
+        lost = 0
+        with self._write_cv:
+            for order in orders:
+                self._awaiting_store.discard(order.write_id)
+                if order.write_id in self._cancelled:
+                    self._cancelled.discard(order.write_id)
+                    continue
+                self._give_up(order.write_id)
+                lost += 1
+        if lost:
+            self.lost_at_shutdown += lost
+            logger.warning(
+                "DraftOffloadConnector: %d L3 write(s) not yet confirmed by the scheduler "
+                "at shutdown; those units are not in storage",
+                lost,
+            )
+            self.events.put(("lost_shutdown", str(lost)))
 
     def cancel_writes(self, write_ids: list[int]) -> None:
         """The scheduler dropped these writes; skip each one not staged yet."""

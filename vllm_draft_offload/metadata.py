@@ -87,6 +87,12 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # L3 writes the scheduler gave up (a tail dropped under pressure): a worker that
     # has not staged one yet skips it.
     l3_cancel_writes: list[int] = field(default_factory=list)
+    # Store jobs with L3 writes that every rank completed and that were not failed
+    # afterwards (a load they were computed on failed): their writes may go out.
+    l3_commit_jobs: list[int] = field(default_factory=list)
+    # Store jobs with L3 writes that failed on some rank or were failed afterwards:
+    # their KV may be wrong, so it never reaches storage.
+    l3_abort_jobs: list[int] = field(default_factory=list)
 
 
 @dataclass

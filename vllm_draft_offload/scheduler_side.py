@@ -72,6 +72,7 @@ class JobRecord:
     after_loads: tuple[int, ...] = ()  # store only: TransferJob.after_loads
     # Load only: the request waits for it in WAITING_FOR_REMOTE_KVS (async_loads).
     asynchronous: bool = False
+    has_l3_writes: bool = False  # store only: workers hold L3 writes for its verdict
 
 
 class DraftOffloadScheduler:
@@ -106,6 +107,10 @@ class DraftOffloadScheduler:
         self._job_ids = itertools.count(1)
         self._pending_loads: list[TransferJob] = []
         self._pending_finish_stores: list[TransferJob] = []
+        # Store jobs with L3 writes, finished on every rank: the verdict the workers
+        # wait for before writing (commit) or dropping (abort) them, sent next step.
+        self._l3_commits: list[int] = []
+        self._l3_aborts: list[int] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self.stats = DraftOffloadStats()
         self._last_progress = time.monotonic()
@@ -339,7 +344,13 @@ class DraftOffloadScheduler:
         )
         self._add_job(
             job.job_id,
-            JobRecord(state.request.request_id, "store", units, first_chunk=plan.first_chunk),
+            JobRecord(
+                state.request.request_id,
+                "store",
+                units,
+                first_chunk=plan.first_chunk,
+                has_l3_writes=bool(job.l3_units),
+            ),
         )
         state.inflight_jobs.add(job.job_id)
         return job
@@ -393,6 +404,8 @@ class DraftOffloadScheduler:
             self.audit.release(req_id)
         if self.l3_writes is not None:
             meta.l3_cancel_writes = self.l3_writes.take_cancels()
+        meta.l3_commit_jobs, self._l3_commits = self._l3_commits, []
+        meta.l3_abort_jobs, self._l3_aborts = self._l3_aborts, []
         return meta
 
     def request_finished(
@@ -487,6 +500,10 @@ class DraftOffloadScheduler:
                 job_id, None if record.failed else record.successors, record.cause
             )
             return
+        if record.has_l3_writes:
+            # Decided only now, with every rank's report in and any later failure of a
+            # load it was computed on applied: wrong KV never reaches storage.
+            (self._l3_aborts if record.failed else self._l3_commits).append(job_id)
         state = self._requests.get(record.req_id)
         if state is not None:
             state.inflight_jobs.discard(job_id)
@@ -529,6 +546,8 @@ class DraftOffloadScheduler:
         Jobs that have not moved for STALL_S (a worker gone during shutdown,
         say) stop holding the engine loop, so it can never spin forever.
         """
+        if self._l3_commits or self._l3_aborts:
+            return True  # verdicts the workers hold L3 writes for go out with a step
         now = time.monotonic()
         writes = self.l3_writes
         if writes is not None and writes.has_work() and now - writes.last_progress < STALL_S:

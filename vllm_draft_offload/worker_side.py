@@ -32,6 +32,7 @@ from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
     DraftOffloadWorkerMetadata,
+    L3WriteOrder,
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
@@ -108,6 +109,10 @@ class DraftOffloadWorker:
         self._stores: list[InflightStore] = []
         self._req_store_jobs: dict[str, set[int]] = defaultdict(set)
         self._finishing_reqs: set[str] = set()
+        # Store job -> its L3 write orders, held back until the scheduler says the job
+        # committed on every rank (a store that completed here may still hold KV of a
+        # wrong prefix: another rank's load failed, or this request's earlier load).
+        self._uncommitted_writes: dict[int, list[L3WriteOrder]] = {}
         self._worker_meta = DraftOffloadWorkerMetadata()
         self._load_error_blocks: set[int] = set()
         # Requests, and load jobs, with a load that failed (in part or whole) this
@@ -374,6 +379,16 @@ class DraftOffloadWorker:
                     self.l3.expect_writes(job.l3_units)
             if meta.l3_cancel_writes:
                 self.l3.cancel_writes(meta.l3_cancel_writes)
+            # A verdict names only jobs every rank has retired, so this rank has either
+            # parked the job's orders or already failed them (then there is nothing).
+            for job_id in meta.l3_commit_jobs:
+                orders = self._uncommitted_writes.pop(job_id, None)
+                if orders is not None:
+                    self.l3.write_units(orders)
+            for job_id in meta.l3_abort_jobs:
+                orders = self._uncommitted_writes.pop(job_id, None)
+                if orders is not None:
+                    self.l3.fail_writes(orders)
         if not meta.stores:
             return
         for job in meta.stores:
@@ -442,7 +457,8 @@ class DraftOffloadWorker:
                         self._slot_checksums[slot] = self._layer_checksums(slot)
                 self._worker_meta.completed_jobs[job.job_id] = 1
                 if self.l3 is not None and job.l3_units:
-                    self.l3.write_units(job.l3_units)
+                    # Written once the scheduler confirms the job (l3_commit_jobs).
+                    self._uncommitted_writes[job.job_id] = job.l3_units
             jobs = self._req_store_jobs[job.req_id]
             jobs.discard(job.job_id)
             if not jobs:
@@ -559,10 +575,13 @@ class DraftOffloadWorker:
         for store in self._stores:
             if store.event is not None:
                 store.event.synchronize()
-        # Retiring them queues their L3 writes, which close() flushes.
         self._poll_stores()
         if self.l3 is not None:
-            self.l3.close()
+            # No verdict comes for these any more: unconfirmed KV is never written.
+            parked = [order for orders in self._uncommitted_writes.values() for order in orders]
+            self._uncommitted_writes.clear()
+            self.l3.abandon_writes(parked)
+            self.l3.close()  # flushes the committed writes still queued
             self._drain_l3()  # counts l3_write_lost_shutdown
         if self.comparer is not None:
             self.comparer.close()
