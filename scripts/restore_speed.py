@@ -135,6 +135,8 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
                 l3["io_threads"] = args.l3_io_threads
             if args.l3_backlog_gib:
                 l3["max_pending_write_bytes"] = int(args.l3_backlog_gib * 2**30)
+            if args.l3_hit_policy:
+                l3["hit_policy"] = args.l3_hit_policy
             extra["l3"] = l3
             extra["lmcache.remote_url"] = f"fs://{args.l3_dir}"
             lmcache_extra: dict[str, Any] = {"save_chunk_meta": True}
@@ -329,6 +331,9 @@ def main() -> None:
     parser.add_argument("--l3-backlog-gib", type=float, help="override l3.max_pending_write_bytes")
     parser.add_argument("--l3-staging-mb", type=int, help="override draft_offload.l3_staging_mb")
     parser.add_argument(
+        "--l3-hit-policy", choices=("cost", "always", "never"), help="override l3.hit_policy"
+    )
+    parser.add_argument(
         "--raw-gib", type=float, default=4.0, help="size of the raw disk baseline file"
     )
     parser.add_argument("--raw-threads", default="1,4", help="thread counts of the raw reads")
@@ -397,6 +402,7 @@ def main() -> None:
             ("--l3-io-threads", args.l3_io_threads),
             ("--l3-backlog-gib", args.l3_backlog_gib),
             ("--l3-staging-mb", args.l3_staging_mb),
+            ("--l3-hit-policy", args.l3_hit_policy),
         ):
             if value:
                 cmd += [flag, str(value)]
