@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,30 @@ def test_quantization_and_hf_overrides_are_part_of_the_identity(
     changed = target_identity(config)
     assert changed["quantization"] == "fp8"
     assert make_salt(changed) != make_salt(base)
+
+
+def test_a_callable_hf_override_is_named_the_same_in_every_process(
+    models: tuple[Path, Path],
+) -> None:
+    """vLLM gives an EAGLE drafter a functools.partial as hf_overrides. Another process
+    (a second engine sharing storage) holds its function at another address, so the
+    identity must name it, never by repr (which prints the address)."""
+    config = make_vllm_config(*models, SimSetup(eagle=True))
+    draft = config.speculative_config.draft_model_config
+    override = draft.hf_overrides
+    assert isinstance(override, functools.partial)
+    before = drafter_identity(config)
+    func = override.func
+    # The same function at another address, as another process would load it.
+    twin = types.FunctionType(
+        func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__
+    )
+    assert id(twin) != id(func)
+    draft.hf_overrides = functools.partial(twin, *override.args, **override.keywords)
+    assert drafter_identity(config) == before
+    # Other bound arguments are another override: another identity.
+    draft.hf_overrides = functools.partial(twin, transformers_mtp_overrides={"x": 1})
+    assert drafter_identity(config) != before
 
 
 def test_cache_generation_changes_every_key(model_dirs: tuple[Path, Path]) -> None:

@@ -13,9 +13,11 @@ with one representative spec, so page sizes are read from
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,6 +242,8 @@ CONFIG_FILES = ("config.json", "params.json")
 HEAD_BYTES = 1 << 16
 WINDOW_BYTES = 1 << 12
 WINDOWS = 8
+# " at 0x7f...": an object's default str() names its address, which differs per process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _file_sample(path: Path, size: int) -> bytes:
@@ -284,11 +288,22 @@ def weights_fingerprint(model: str | None, revision: str | None) -> str:
     return hasher.hexdigest()
 
 
-def _overrides(value: Any) -> object:
-    """hf_overrides as JSON: a dict as is, a function by its qualified name."""
+def _stable(value: Any) -> object:
+    """JSON for what json cannot encode, the same in every process: engines sharing
+    storage must derive one salt, and a repr that prints a memory address differs."""
+    if isinstance(value, functools.partial):
+        # vLLM gives EAGLE/MTP drafters a partial of SpeculativeConfig.hf_config_override.
+        return {"partial": value.func, "args": list(value.args), "keywords": value.keywords}
     if callable(value):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
+        owner = value if hasattr(value, "__qualname__") else type(value)
+        return f"{getattr(owner, '__module__', '?')}.{owner.__qualname__}"
+    return _ADDRESS.sub("", str(value))
+
+
+def _overrides(value: Any) -> object:
+    """hf_overrides as JSON: a dict as is, a function by its qualified name, a partial
+    by its function and bound arguments."""
+    return json.loads(json.dumps(value, sort_keys=True, default=_stable))
 
 
 def drafter_identity(vllm_config: VllmConfig) -> dict[str, object]:
