@@ -135,7 +135,7 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
                 l3["io_threads"] = args.l3_io_threads
             if args.l3_backlog_gib:
                 l3["max_pending_write_bytes"] = int(args.l3_backlog_gib * 2**30)
-            if args.l3_hit_policy:
+            if getattr(args, "l3_hit_policy", None):
                 l3["hit_policy"] = args.l3_hit_policy
             extra["l3"] = l3
             extra["lmcache.remote_url"] = f"fs://{args.l3_dir}"
@@ -402,7 +402,7 @@ def main() -> None:
             ("--l3-io-threads", args.l3_io_threads),
             ("--l3-backlog-gib", args.l3_backlog_gib),
             ("--l3-staging-mb", args.l3_staging_mb),
-            ("--l3-hit-policy", args.l3_hit_policy),
+            ("--l3-hit-policy", getattr(args, "l3_hit_policy", None)),
         ):
             if value:
                 cmd += [flag, str(value)]

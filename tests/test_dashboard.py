@@ -29,7 +29,7 @@ from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 from vllm_draft_offload.metrics_prom import ALL_METRICS
 
 DASHBOARD = Path(__file__).parents[1] / "configs" / "grafana" / "draft-offload.json"
-METRIC_NAME = re.compile(r"vllm:[a-z_:]+")
+METRIC_NAME = re.compile(r"vllm:[a-z0-9_:]+")
 # Series suffixes Prometheus adds to a family's name.
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
