@@ -2,6 +2,7 @@
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,17 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         write_tiny_llama(root / "target", layers=2, heads=1, kv_heads=1, head_dim=32),
         write_tiny_llama(root / "draft", layers=1, heads=2, kv_heads=2, head_dim=64),
     )
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server on 127.0.0.1 for one test (skipped where none is installed)."""
+    from redis_fixture import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed")
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server.url
+    finally:
+        server.close()

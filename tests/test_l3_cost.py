@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from kv_sim import SimEngine, prompt
 from l3_throttle import throttle
-from test_l3_tier import CHUNK, finish_l3_writes, l3_engine, redis_url  # noqa: F401
+from test_l3_tier import CHUNK, finish_l3_writes, l3_engine
 from test_metrics import clean_registry, vllm_config  # noqa: F401
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm

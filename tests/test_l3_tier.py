@@ -8,12 +8,10 @@ L3 clients, with nothing shared with the old one but the storage backend.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kv_sim import SimEngine, SimSetup, prompt, write_tiny_llama
-from redis_fixture import RedisServer, redis_server_binary
 
 from vllm_draft_offload.l3_tier import object_key
 from vllm_draft_offload.unit_codec import layer_view, pack_unit, read_header
@@ -26,17 +24,6 @@ L3_EXTRA = {
     "draft_offload.l3_staging_mb": 16,
     "save_chunk_meta": True,
 }
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if redis_server_binary() is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        yield server.url
-    finally:
-        server.close()
 
 
 def l3_engine(

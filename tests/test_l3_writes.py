@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from kv_sim import SimEngine, prompt
-from redis_fixture import RedisServer, redis_server_binary
 from test_l3_tier import CHUNK, L3_EXTRA, l3_engine
 
 from vllm_draft_offload import l3_tier
@@ -91,13 +90,7 @@ def l3_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "fs":
         yield f"fs://{tmp_path / 'l3'}"
         return
-    if redis_server_binary() is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        yield server.url
-    finally:
-        server.close()
+    yield request.getfixturevalue("redis_url")
 
 
 def test_burst_keeps_every_prompts_head_and_drops_tails(

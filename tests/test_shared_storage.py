@@ -13,13 +13,10 @@ start-up (importing vLLM) is most of this test's time.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kv_sim import SimEngine, prompt
-from redis_fixture import RedisServer, redis_server_binary
 from test_l3_tier import CHUNK, finish_l3_writes, l3_engine
 
 A_TOKENS = 3 * CHUNK + 9  # three whole chunks; the third's successor is in the prompt
@@ -101,17 +98,6 @@ def run_two_engines(model_dirs: tuple[Path, Path], urls: list[str]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(10)
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if redis_server_binary() is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        yield server.url
-    finally:
-        server.close()
 
 
 def test_two_engines_share_an_fs_directory_and_a_redis(

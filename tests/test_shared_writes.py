@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import blake3
-import pytest
-from redis_fixture import RedisServer, redis_server_binary
 
 from vllm_draft_offload.l3_store import L3Error, L3Store
 
@@ -123,17 +120,6 @@ def test_fs_concurrent_writers_of_one_unit_never_expose_a_torn_object(tmp_path: 
     assert_never_torn(seen)
     # Nothing but the one object is left: every writer's temp file was renamed or removed.
     assert [p.suffix for p in base.iterdir()] == [".data"]
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if redis_server_binary() is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        yield server.url
-    finally:
-        server.close()
 
 
 def test_redis_concurrent_writers_of_one_unit_never_expose_a_mixed_object(
