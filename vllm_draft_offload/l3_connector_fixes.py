@@ -42,6 +42,16 @@ def unique_fs_temp_names(conn: FSConnector) -> None:
     conn._get_file_and_tmp_path = types.MethodType(unique_names, conn)  # type: ignore[method-assign]
 
 
+def _serialized_metadata(memory_obj: MemoryObj) -> bytes:
+    """LMCache's per-object RemoteMetadata of `memory_obj`, as its connectors write it."""
+    return RemoteMetadata(
+        len(memory_obj.byte_array),
+        memory_obj.get_shapes(),
+        memory_obj.get_dtypes(),
+        memory_obj.get_memory_format(),
+    ).serialize()
+
+
 def atomic_redis_pairs(conn: RedisConnector) -> None:
     """Write and read a unit's two Redis keys in one transaction (see the l3_backends docstring).
 
@@ -50,12 +60,7 @@ def atomic_redis_pairs(conn: RedisConnector) -> None:
 
     async def put_pair(self: RedisConnector, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         kv_bytes = memory_obj.byte_array
-        metadata = RemoteMetadata(
-            len(kv_bytes),
-            memory_obj.get_shapes(),
-            memory_obj.get_dtypes(),
-            memory_obj.get_memory_format(),
-        ).serialize()
+        metadata = _serialized_metadata(memory_obj)
         name = key.to_string()
         async with self.sem, self.connection.pipeline(transaction=True) as pipe:
             pipe.set(name + "kv_bytes", kv_bytes)
@@ -117,12 +122,7 @@ def checked_mooncake_calls(conn: RemoteConnector, timeout_s: float) -> None:
 
     async def put_checked(self: RemoteConnector, key_str: str, memory_obj: MemoryObj) -> None:
         kv_bytes = memory_obj.byte_array
-        metadata = RemoteMetadata(
-            len(kv_bytes),
-            memory_obj.get_shapes(),
-            memory_obj.get_dtypes(),
-            memory_obj.get_memory_format(),
-        ).serialize()
+        metadata = _serialized_metadata(memory_obj)
         status = await asyncio.to_thread(store.put_parts, key_str, metadata, kv_bytes)
         if status < 0:
             raise OSError(f"mooncake put_parts of {key_str} returned {status}")

@@ -204,13 +204,7 @@ class L3Prefetch:
                 self._reserve_fetch(None, keys[state.first_chunk])
         state.phase = "fetch" if wanted else "done"
         state.checked_until = state.first_chunk + max(hits, 1)
-        for chunk in range(state.first_chunk, state.first_chunk + wanted):
-            job_id = self._reserve_fetch(req_id, keys[chunk])
-            if job_id is None:
-                break  # no free slot that is not this request's own: recompute the rest
-            state.jobs.add(job_id)
-        if not state.jobs:
-            state.phase = "done"
+        self._fetch_chunks(req_id, state, keys, state.first_chunk, wanted)
 
     def _after_probe(self, req_id: str, state: L3RequestState, keys: Sequence[bytes]) -> None:
         """The probe landed (or its wait ran out): fetch what the measured speed pays for."""
@@ -232,7 +226,18 @@ class L3Prefetch:
         if wanted <= 1:
             return
         state.phase = "fetch"
-        for chunk in range(state.first_chunk + 1, state.first_chunk + wanted):
+        self._fetch_chunks(req_id, state, keys, state.first_chunk + 1, wanted - 1)
+
+    def _fetch_chunks(
+        self,
+        req_id: str,
+        state: L3RequestState,
+        keys: Sequence[bytes],
+        first: int,
+        count: int,
+    ) -> None:
+        """Fetch chunks [first, first + count) for the request, as far as slots allow."""
+        for chunk in range(first, first + count):
             job_id = self._reserve_fetch(req_id, keys[chunk])
             if job_id is None:
                 break  # no free slot that is not this request's own: recompute the rest
