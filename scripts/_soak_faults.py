@@ -179,12 +179,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def schedule(seconds: float) -> list[tuple[float, str, float]]:
-    """(start, fault, hold) over the run: the faults in turn, one every tenth of it."""
-    period = seconds / 10 if seconds >= 60 else seconds / 6
+def schedule(
+    seconds: float, faults: tuple[str, ...] = FAULTS, period: float | None = None
+) -> list[tuple[float, str, float]]:
+    """(start, fault, hold) over the run: `faults` in turn, by default one every tenth of it."""
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown or not faults:
+        raise ValueError(f"faults: {unknown or 'none'} not among {', '.join(FAULTS)}")
+    if period is None:
+        period = seconds / 10 if seconds >= 60 else seconds / 6
     out, t, i = [], period / 2, 0
     while t + period / 2 < seconds:
-        out.append((t, FAULTS[i % len(FAULTS)], period / 2))
+        out.append((t, faults[i % len(faults)], period / 2))
         t, i = t + period, i + 1
     return out
 

@@ -33,7 +33,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
 
 from _bench_workloads import parse_drafters  # noqa: E402
-from _soak_faults import FaultInjector, FsBackend, RedisBackend, RedisProcess, schedule, small_tmpfs  # noqa: E402
+from _soak_faults import (
+    FAULTS,
+    FaultInjector,
+    FsBackend,
+    RedisBackend,
+    RedisProcess,
+    schedule,
+    small_tmpfs,
+)  # noqa: E402
 from _soak_load import SoakLoad  # noqa: E402
 from _stress_engine import dtype_bytes, kv_bytes_per_token  # noqa: E402
 from _stress_jobs import (  # noqa: E402
@@ -83,6 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replay-n", type=int, help="finished requests replayed (64; dry run 8)")
     ap.add_argument("--max-requests", type=int, help="bound on requests per engine")
     ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help="fault order, repeated over the run (default %(default)s)",
+    )
+    ap.add_argument("--fault-period", type=float, help="seconds between faults (run / 10)")
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--dtype")
     ap.add_argument("--compile", action="store_true", help="no --enforce-eager")
@@ -200,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         data["l3_url"], data["disk_full_possible"] = url, can_fill
         ready = out / "jobs" / "ours.ready"
         ready.unlink(missing_ok=True)
-        injector = FaultInjector(backend, [] if args.no_faults else schedule(seconds))
+        injector = FaultInjector(
+            backend,
+            []
+            if args.no_faults
+            else schedule(seconds, tuple(args.faults.split(",")), args.fault_period),
+        )
         waiter = _start_when_ready(ready, injector, args.engine_timeout)
         job = {
             **common,

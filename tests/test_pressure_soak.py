@@ -95,6 +95,18 @@ def test_schedule_injects_every_fault_kind() -> None:
         assert all(t > 0 and t + hold < seconds for t, _, hold in plan)
 
 
+def test_schedule_follows_the_given_order_and_period() -> None:
+    plan = sf.schedule(200.0, ("disk_full", "outage"), period=40.0)
+    assert [(t, f) for t, f, _ in plan] == [
+        (20.0, "disk_full"),
+        (60.0, "outage"),
+        (100.0, "disk_full"),
+        (140.0, "outage"),
+    ]
+    with pytest.raises(ValueError, match="faults: \\['flood'\\]"):
+        sf.schedule(60.0, ("outage", "flood"))
+
+
 def _objects(root: Path, n: int) -> list[Path]:
     root.mkdir(parents=True, exist_ok=True)
     files = [root / f"unit{i}.data" for i in range(n)]
