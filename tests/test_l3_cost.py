@@ -18,8 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from vllm_draft_offload import l3_cost
 from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate
+from vllm_draft_offload.metric_defs import PREFIX
 from vllm_draft_offload.metrics import DraftOffloadStats
-from vllm_draft_offload.metrics_prom import PREFIX
 
 
 def test_prefill_fit_recovers_step_cost_despite_outliers() -> None:

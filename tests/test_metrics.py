@@ -31,8 +31,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_draft_offload import metrics as dom
+from vllm_draft_offload import metrics_prom as dom_prom
+from vllm_draft_offload.metric_defs import ALL_METRICS, PREFIX
 from vllm_draft_offload.metrics import DraftOffloadStats
-from vllm_draft_offload.metrics_prom import ALL_METRICS, PREFIX, DraftOffloadPromMetrics
+from vllm_draft_offload.metrics_prom import DraftOffloadPromMetrics
 
 
 class MetricsOnlyConnector(KVConnectorBase_V1):
@@ -48,7 +50,9 @@ class MetricsOnlyConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return dom.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return dom_prom.build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
 
 @pytest.fixture(scope="module")

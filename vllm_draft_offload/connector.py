@@ -30,7 +30,7 @@ from vllm_draft_offload.geometry import (
     target_identity,
 )
 from vllm_draft_offload.metadata import DraftOffloadMetadata, DraftOffloadWorkerMetadata
-from vllm_draft_offload.metrics import build_kv_connector_stats, build_prom_metrics
+from vllm_draft_offload.metrics import build_kv_connector_stats
 from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
 from vllm_draft_offload.worker_side import DraftOffloadWorker
 
@@ -285,6 +285,10 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:
+        # Imported here: Prometheus metrics are built only in the frontend, and the
+        # workers, which only record stats, need not load the Prometheus side.
+        from vllm_draft_offload.metrics_prom import build_prom_metrics
+
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool | None:

@@ -24,59 +24,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, get_args
+from typing import Any, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
-
-    from vllm_draft_offload.metrics_prom import DraftOffloadPromMetrics
+from vllm_draft_offload.metric_defs import (
+    AUDIT_RESULTS,
+    DIRECTIONS,
+    PARTS,
+    TIERS,
+    Direction,
+    Tier,
+)
 
 logger = init_logger(__name__)
-
-Direction = Literal["store", "load"]
-Tier = Literal["cpu", "l3"]
-Part = Literal["target", "draft"]
-
-DIRECTIONS: Final[tuple[Direction, ...]] = get_args(Direction)
-TIERS: Final[tuple[Tier, ...]] = get_args(Tier)
-PARTS: Final[tuple[Part, ...]] = get_args(Part)
-
-# Known causes. Other strings are accepted (a new failure mode must not crash the
-# serving path), but each distinct cause becomes a Prometheus series, so callers
-# should stick to a fixed vocabulary. The known ones are pre-created at 0 so that
-# rate()/alerts work before the first occurrence.
-REFUSAL_CAUSES: Final[tuple[str, ...]] = (
-    "draft_part_missing",
-    "drafter_mismatch",
-    "geometry_mismatch",
-    "successor_mismatch",
-    "checksum_mismatch",
-    "truncated",
-    "rank_mismatch",  # TP ranks' objects of one unit disagree (then deleted, never refetched)
-)
-FALLBACK_CAUSES: Final[tuple[str, ...]] = (
-    "load_error",
-    "l3_unavailable",
-    "l3_corrupt",
-    "audit_mismatch",
-    "audit_recompute_mismatch",
-    "store_failed",
-    # A store whose copy plan could not be built (worker_side); the job is dropped.
-    "store_error",
-    # Stores of a request whose load failed in the same step: KV computed on top
-    # of a prefix that was not restored is never stored.
-    "store_after_load_failure",
-    "l3_lookup_failed",  # a storage lookup raised something unexpected; treated as a miss
-)
-# Why storage hits were not fetched (l3.hit_policy=cost).
-# not_looked_up: the lookup was skipped since even a full hit would be slower.
-L3_DECLINE_CAUSES: Final[tuple[str, ...]] = ("slower_than_recompute", "not_looked_up")
-# Outcomes of the sampled recompute audit, per stored unit compared.
-AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")
 
 _GB: Final = 1e9
 
@@ -362,18 +324,3 @@ def build_kv_connector_stats(data: dict[str, Any] | None = None) -> DraftOffload
     and the frontend logger always get a usable accumulator.
     """
     return DraftOffloadStats(data=data) if data is not None else DraftOffloadStats()
-
-
-def build_prom_metrics(
-    vllm_config: VllmConfig,
-    metric_types: dict[type[PromMetric], type[PromMetricT]],
-    labelnames: list[str],
-    per_engine_labelvalues: dict[int, list[object]],
-) -> DraftOffloadPromMetrics:
-    """Body of ``DraftOffloadConnector.build_prom_metrics`` (classmethod, same
-    arguments after ``cls``). Called once in the frontend by ``KVConnectorProm``."""
-    # Imported lazily: prometheus registration only happens in the frontend, and
-    # workers that only record stats need not load the Prometheus side.
-    from vllm_draft_offload.metrics_prom import DraftOffloadPromMetrics
-
-    return DraftOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -16,7 +16,6 @@ per-engine labels first. All names start with ``vllm:`` so that vLLM's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Final
 
 from vllm.config import VllmConfig
@@ -27,113 +26,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
-from vllm_draft_offload.metrics import (
+from vllm_draft_offload.metric_defs import (
+    ALL_METRICS,
+    AUDIT_RECOMPUTE,
     AUDIT_RESULTS,
     DIRECTIONS,
     FALLBACK_CAUSES,
+    FALLBACKS,
+    HIT_CHUNKS,
     L3_DECLINE_CAUSES,
+    L3_DECLINED,
+    LOADED_BYTES,
+    LOADED_CHUNKS,
+    MISS_CHUNKS,
     PARTS,
+    RECOMPUTED_PER_HIT,
     REFUSAL_CAUSES,
+    REFUSALS,
+    RESTORE_LATENCY,
+    SPEC_ACCEPTED,
+    SPEC_DRAFTS,
+    STORED_BYTES,
+    STORED_CHUNKS,
     TIERS,
-    DraftOffloadStats,
+    TRANSFER_SECONDS,
+    MetricDef,
 )
+from vllm_draft_offload.metrics import DraftOffloadStats
 
 logger = init_logger(__name__)
-
-PREFIX: Final = "vllm:draft_offload_"
-
-# Restore of a few chunks from pinned CPU is ~ms; from remote L3 it can take seconds.
-RESTORE_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-# A hit normally recomputes at most the partial tail chunk (+1 token), so the low
-# buckets are fine-grained; large values mean the restore was mostly wasted.
-RECOMPUTED_TOKENS_BUCKETS: Final[tuple[float, ...]] = (
-    0, 1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384,
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MetricDef:
-    name: str  # full name as given to prometheus_client (counters get "_total" appended)
-    kind: str  # "counter" | "histogram"
-    documentation: str
-    labelnames: tuple[str, ...] = ()
-    buckets: tuple[float, ...] | None = None
-
-
-def _counter(short: str, doc: str, *labels: str) -> MetricDef:
-    return MetricDef(PREFIX + short, "counter", doc, labels)
-
-
-STORED_CHUNKS = _counter("stored_chunks", "Chunks (target+draft units) stored, by tier.", "tier")
-LOADED_CHUNKS = _counter("loaded_chunks", "Chunks (target+draft units) restored, by tier.", "tier")
-STORED_BYTES = _counter("stored_bytes", "Bytes stored, by tier and KV part.", "tier", "part")
-LOADED_BYTES = _counter("loaded_bytes", "Bytes restored, by tier and KV part.", "tier", "part")
-TRANSFER_SECONDS = _counter(
-    "transfer_seconds",
-    "Wall time of timed transfers; bytes/this = throughput if every transfer is timed.",
-    "direction",
-    "tier",
-)
-HIT_CHUNKS = _counter("lookup_hit_chunks", "Chunks found on lookup, by tier.", "tier")
-MISS_CHUNKS = _counter("lookup_miss_chunks", "Chunks not found on lookup, by tier.", "tier")
-REFUSALS = _counter(
-    "refusals", "Stored units refused because the draft part was missing/mismatched.", "cause"
-)
-FALLBACKS = _counter("fallbacks", "Restores that fell back to recompute, by cause.", "cause")
-L3_DECLINED = _counter(
-    "l3_declined_chunks",
-    "Storage (L3) chunks found but recomputed instead, because loading them was "
-    "estimated slower (l3.hit_policy=cost), by cause.",
-    "cause",
-)
-AUDIT_RECOMPUTE = _counter(
-    "audit_recompute_units",
-    "Stored units compared with a recompute of their prefix (sampled audit), by result.",
-    "result",
-)
-SPEC_DRAFTS = _counter(
-    "spec_drafts", "Drafting steps, by whether the request's prefix was restored.", "restored"
-)
-SPEC_ACCEPTED = _counter(
-    "spec_accepted_tokens",
-    "Accepted draft tokens, by whether the prefix was restored. Acceptance length = "
-    "1 + rate(accepted_tokens) / rate(drafts).",
-    "restored",
-)
-RESTORE_LATENCY = MetricDef(
-    PREFIX + "restore_latency_seconds",
-    "histogram",
-    "Latency of restore (load) operations, by tier.",
-    ("tier",),
-    RESTORE_LATENCY_BUCKETS,
-)
-RECOMPUTED_PER_HIT = MetricDef(
-    PREFIX + "recomputed_tokens_per_hit",
-    "histogram",
-    "Prompt tokens recomputed despite an offload hit, one sample per hit.",
-    (),
-    RECOMPUTED_TOKENS_BUCKETS,
-)
-
-ALL_METRICS: Final[tuple[MetricDef, ...]] = (
-    STORED_CHUNKS,
-    LOADED_CHUNKS,
-    STORED_BYTES,
-    LOADED_BYTES,
-    TRANSFER_SECONDS,
-    HIT_CHUNKS,
-    MISS_CHUNKS,
-    REFUSALS,
-    FALLBACKS,
-    L3_DECLINED,
-    AUDIT_RECOMPUTE,
-    SPEC_DRAFTS,
-    SPEC_ACCEPTED,
-    RESTORE_LATENCY,
-    RECOMPUTED_PER_HIT,
-)
 
 _BY_DIRECTION: Final = {
     "chunks": {"store": STORED_CHUNKS, "load": LOADED_CHUNKS},
@@ -251,3 +172,14 @@ class DraftOffloadPromMetrics(KVConnectorPromMetrics):
     def _skip(section: str, key: str) -> None:
         # A malformed key must not take the frontend's stats loop down; say it once.
         logger.warning_once("draft_offload metrics: skipping malformed %s key %r", section, key)
+
+
+def build_prom_metrics(
+    vllm_config: VllmConfig,
+    metric_types: dict[type[PromMetric], type[PromMetricT]],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> DraftOffloadPromMetrics:
+    """Body of ``DraftOffloadConnector.build_prom_metrics`` (classmethod, same
+    arguments after ``cls``). Called once in the frontend by ``KVConnectorProm``."""
+    return DraftOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
