@@ -1,4 +1,4 @@
-"""Acceptance-parity harness (scripts/accept_check.py).
+"""Acceptance-parity harness (`vllm-draft-offload accept`, vllm_draft_offload.bench.accept).
 
 Schema and ratio logic are checked on a recorded run (tests/data/accept_check_example.json,
 a --corrupt-draft-kv run on the cpu-preset fixtures).  The e2e tests run the real
@@ -8,22 +8,19 @@ harness (vLLM on CPU, in a subprocess) on tiny fixtures built here.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from accept_check import (  # noqa: E402
+from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.accept.check import (
     SENSITIVITY_MIN_DROP,
     AcceptCheckResult,
     PhaseResult,
     acceptance_length,
     build_config,
     first_mismatch,
-    main,
     parse_args,
     plan_phases,
     ratio,
@@ -174,6 +171,20 @@ def test_cli_builds_spec_and_connector_configs(tmp_path: Path) -> None:
         build_config(
             parse_args(["--model", "m", "--corrupt-draft-kv", "--kv-transfer-config", "{}"])
         )
+    with pytest.raises(SystemExit, match="--model or --fixtures"):
+        build_config(parse_args(["--spec-method", "eagle3", "--draft", "d"]))
+
+
+def test_fixtures_dir_names_the_target_and_drafters(tmp_path: Path) -> None:
+    fx = str(tmp_path)
+    cfg = build_config(parse_args(["--fixtures", fx, "--spec-method", "eagle", "--draft", "eagle"]))
+    assert cfg.model == f"{fx}/target" and cfg.speculative_config["model"] == f"{fx}/eagle"
+    # a drafter given as a path, and a --model, win over the fixture dir
+    cfg = build_config(
+        parse_args(["--fixtures", fx, "--model", "/m/t", "--spec-method", "eagle3",
+                    "--draft", "/m/eagle3"])
+    )  # fmt: skip
+    assert cfg.model == "/m/t" and cfg.speculative_config["model"] == "/m/eagle3"
 
 
 # ------------------------------------------------------------------ probe connector
@@ -197,7 +208,12 @@ def _new_request(computed: int, corrupt: bool | None):  # -> NewRequestData
 
 
 def test_probe_picks_only_prefix_cache_blocks_of_opted_in_requests() -> None:
-    from kv_probe_connector import cached_blocks, probe_transfer_config, wants_corruption
+    from vllm_draft_offload.bench.accept import probe_connector
+    from vllm_draft_offload.bench.accept.probe_connector import (
+        cached_blocks,
+        probe_transfer_config,
+        wants_corruption,
+    )
 
     # group 0 has 32-token blocks, group 1 64-token blocks: 70 cached tokens
     # cover two full blocks of group 0 and one of group 1; partial blocks are
@@ -209,7 +225,8 @@ def test_probe_picks_only_prefix_cache_blocks_of_opted_in_requests() -> None:
     assert not wants_corruption(_new_request(70, False), corrupt_all=False)
     assert wants_corruption(_new_request(70, None), corrupt_all=True)
     cfg = probe_transfer_config(report_path="r.json")
-    assert cfg["kv_connector_module_path"] == "kv_probe_connector"
+    # vLLM imports the connector by this path, in its own worker processes too
+    assert cfg["kv_connector_module_path"] == probe_connector.__name__
     assert cfg["kv_connector_extra_config"] == {
         "corrupt_draft": False,
         "corrupt_mode": "zero",
@@ -222,7 +239,7 @@ def test_probe_picks_only_prefix_cache_blocks_of_opted_in_requests() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from make_fixtures import build_fixtures
+    from vllm_draft_offload.bench.fixtures.build import build_fixtures
 
     out = tmp_path_factory.mktemp("tiny_fixtures")
     build_fixtures(out, seed=0, preset_name="tiny", max_steps=3, log=lambda _s: None)
@@ -232,8 +249,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(tiny: Path, tmp_path: Path, *extra: str) -> tuple[int, AcceptCheckResult]:
     out = tmp_path / "result.json"
     args = [
-        "--model",
-        str(tiny / "target"),
+        "--fixtures",
+        str(tiny),
         "--num-prompts",
         "2",
         "--max-tokens",
@@ -241,7 +258,7 @@ def _run(tiny: Path, tmp_path: Path, *extra: str) -> tuple[int, AcceptCheckResul
         "--out",
         str(out),
     ]
-    rc = main([*args, *extra])
+    rc = cli.main(["accept", *args, *extra])
     return rc, AcceptCheckResult.model_validate_json(out.read_text())
 
 
@@ -283,7 +300,7 @@ def test_e2e_corrupting_draft_kv_drops_acceptance_only(tiny: Path, tmp_path: Pat
 
 CRASHY_CONNECTOR = """
 import os
-from kv_probe_connector import KVProbeConnector
+from vllm_draft_offload.bench.accept.probe_connector import KVProbeConnector
 
 class CrashyConnector(KVProbeConnector):
     def register_kv_caches(self, kv_caches):

@@ -1,4 +1,4 @@
-"""Baseline tables from acceptance runs (scripts/accept_table.py).
+"""Baseline tables from acceptance runs (`vllm-draft-offload table`).
 
 Checked on the recorded H200 runs in results/gpu/accept_h200 (committed data), and on
 synthetic directories with runs missing or crashed.
@@ -7,25 +7,23 @@ synthetic directories with runs missing or crashed.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from accept_table import (  # noqa: E402
+from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.accept.table import (
     MISSING,
     Results,
     acceptance_cell,
     crash_cause,
     load_results,
-    main,
     parse_name,
     render,
     sensitivity_row,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 H200 = ROOT / "results" / "gpu" / "accept_h200"
 DOCS = ROOT / "docs" / "fixtures.md"
@@ -119,7 +117,7 @@ def test_missing_runs_show_dash(tmp_path: Path, capsys: pytest.CaptureFixture[st
     for name in ("accept_eagle-ours.json", "accept_self-corrupt.json"):
         shutil.copy(H200 / name, tmp_path / name)
     out = tmp_path / "table.md"
-    assert main([str(tmp_path), "--out", str(out)]) == 0
+    assert cli.main(["table", str(tmp_path), "--out", str(out)]) == 0
     text = out.read_text()
     assert capsys.readouterr().out == text
     table_a, table_b = text.split("### B.")
@@ -137,6 +135,6 @@ def test_missing_runs_show_dash(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_no_runs(tmp_path: Path) -> None:
-    assert main([str(tmp_path)]) == 1
+    assert cli.main(["table", str(tmp_path)]) == 1
     assert sensitivity_row("self", None)[1:] == [MISSING] * 5
     assert acceptance_cell(None) == MISSING

@@ -1,5 +1,6 @@
-"""scripts/bench_spec_offload.py: reporting on recorded data, goal evaluation on crafted
-numbers, workload/engine construction, crash handling, and one tiny CPU dry run."""
+"""`vllm-draft-offload bench` (vllm_draft_offload.bench.workloads): reporting on recorded
+data, goal evaluation on crafted numbers, workload/engine construction, crash handling,
+and one tiny CPU dry run."""
 
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
-EXAMPLE = Path(__file__).parent / "data" / "bench_example.json"
-sys.path.insert(0, str(SCRIPTS))
+from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.workloads import goals as gl
+from vllm_draft_offload.bench.workloads import run as bench
+from vllm_draft_offload.bench.workloads import specs as wlm
+from vllm_draft_offload.bench.workloads import summary as sm
 
-import _bench_goals as gl  # noqa: E402
-import _bench_summary as sm  # noqa: E402
-import _bench_workloads as wlm  # noqa: E402
-import bench_spec_offload as bench  # noqa: E402
+EXAMPLE = Path(__file__).parent / "data" / "bench_example.json"
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -29,7 +28,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_only_rebuilds_summary_and_plots(tmp_path: Path) -> None:
-    assert bench.main(["--report-only", str(EXAMPLE), "--out", str(tmp_path)]) == 0
+    assert cli.main(["bench", "--report-only", str(EXAMPLE), "--out", str(tmp_path)]) == 0
     for name in ("acceptance.png", "ttft_vs_prefix.png", "restore_gbps.png"):
         blob = (tmp_path / name).read_bytes()
         assert blob[:8] == PNG_MAGIC and len(blob) > 5000, name
@@ -357,7 +356,7 @@ def test_crashing_engine_is_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyP
     worker = tmp_path / "worker.py"
     # dies like a native crash: no result JSON, non-zero exit, something in the log
     worker.write_text("import os, sys\nprint('boom in connector', flush=True)\nos._exit(134)\n")
-    monkeypatch.setattr(bench, "WORKER", worker)
+    monkeypatch.setattr(bench, "WORKER", [str(worker)])
     (tmp_path / "jobs").mkdir()
     (tmp_path / "logs").mkdir()
     job = {"config": "lmcache", "drafter": D, "stage": "all"}
@@ -384,7 +383,9 @@ def test_dry_run_cpu_ours_cpu_end_to_end(tmp_path: Path) -> None:
     made = subprocess.run(
         [
             sys.executable,
-            str(SCRIPTS / "make_fixtures.py"),
+            "-m",
+            "vllm_draft_offload.bench",
+            "fixtures",
             "--out",
             str(fx),
             "--preset",
@@ -397,12 +398,14 @@ def test_dry_run_cpu_ours_cpu_end_to_end(tmp_path: Path) -> None:
         timeout=120,
     )
     if made.returncode != 0 or not (fx / "self-draft" / "config.json").exists():
-        pytest.skip(f"scripts/make_fixtures.py --preset tiny failed: {made.stderr[-500:]}")
+        pytest.skip(f"vllm-draft-offload fixtures --preset tiny failed: {made.stderr[-500:]}")
     out = tmp_path / "bench"
     rc = subprocess.run(
         [
             sys.executable,
-            str(SCRIPTS / "bench_spec_offload.py"),
+            "-m",
+            "vllm_draft_offload.bench",
+            "bench",
             "--fixtures",
             str(fx),
             "--dry-run-cpu",

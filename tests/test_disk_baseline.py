@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import _disk_baseline as disk  # noqa: E402
+from vllm_draft_offload.bench.speed import disk_baseline as disk
 
 
 def test_measure_reports_every_pass_by_threads_and_removes_its_file(tmp_path: Path) -> None:

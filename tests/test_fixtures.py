@@ -1,4 +1,4 @@
-"""Fixture builder (scripts/make_fixtures.py): tiny preset on CPU, reload checks.
+"""Fixture builder (`vllm-draft-offload fixtures`): tiny preset on CPU, reload checks.
 
 Drafts and the target must reload with transformers; the EAGLE heads must load
 into vLLM 0.33's own ``EagleLlamaForCausalLM`` / ``Eagle3LlamaForCausalLM`` with
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,17 +18,21 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from _fixture_data import (  # noqa: E402
+from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.fixtures.build import FIXTURES, META_FILE, build_fixtures
+from vllm_draft_offload.bench.fixtures.data import (
     BOS_ID,
     FIRST_WORD_ID,
     CorpusSpec,
     build_prompts,
     make_sequence,
 )
-from _fixture_models import LlamaShape, TrainSchedule, eagle3_aux_layer_ids, ttt_mask  # noqa: E402
-from make_fixtures import FIXTURES, META_FILE, build_fixtures  # noqa: E402
+from vllm_draft_offload.bench.fixtures.models import (
+    LlamaShape,
+    TrainSchedule,
+    eagle3_aux_layer_ids,
+    ttt_mask,
+)
 
 MAX_STEPS = 3
 
@@ -37,7 +40,8 @@ MAX_STEPS = 3
 @pytest.fixture(scope="module")
 def fixtures_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fixtures")
-    build_fixtures(out, seed=0, preset_name="tiny", max_steps=MAX_STEPS, log=lambda _s: None)
+    argv = ["fixtures", "--out", str(out), "--preset", "tiny", "--max-steps", str(MAX_STEPS)]
+    assert cli.main(argv) == 0
     return out
 
 

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import l3_fetch_speed  # noqa: E402
+from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.speed import l3_fetch as l3_fetch_speed
 
 
 def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "speed.json"
-    report = l3_fetch_speed.main(
-        ["--url", f"fs://{tmp_path / 'l3'}", "--unit-mb", "0.5", "--units", "3",
+    rc = cli.main(
+        ["l3-speed", "--url", f"fs://{tmp_path / 'l3'}", "--unit-mb", "0.5", "--units", "3",
          "--threads", "1,2", "--reps", "1", "--out", str(out)]
     )  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
     for mode in ("cold", "warm"):
         assert set(report["fetch_GBps"][mode]) == {"1", "2"}
         assert all(v > 0 for v in report["fetch_GBps"][mode].values())
@@ -30,7 +30,7 @@ def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
     assert set(raw["read_cold_GBps"]) == set(raw["read_warm_GBps"]) == {"1", "2"}
     # The baseline file is gone; only the units remain.
     assert {p.suffix for p in (tmp_path / "l3").iterdir()} == {".data"}
-    assert json.loads(out.read_text())["units"] == 3
+    assert report["units"] == 3
 
 
 def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> None:

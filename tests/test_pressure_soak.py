@@ -1,6 +1,6 @@
-"""scripts/pressure_run.py and scripts/soak.py: sizes, load mix, fault injection on real
-fs and Redis backends, the pressure report on a recorded CPU run, and the soak driver
-end to end on CPU (tiny fixtures) against fs and Redis."""
+"""`vllm-draft-offload pressure` and `soak` (vllm_draft_offload.bench.stress): sizes, load
+mix, fault injection on real fs and Redis backends, the pressure report on a recorded CPU
+run, and the soak driver end to end on CPU (tiny fixtures) against fs and Redis."""
 
 from __future__ import annotations
 
@@ -16,16 +16,13 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
-EXAMPLE = Path(__file__).parent / "data" / "pressure_example.json"
-sys.path.insert(0, str(SCRIPTS))
+from vllm_draft_offload.bench import PACKAGE_PARENT, cli
+from vllm_draft_offload.bench.stress import faults as sf
+from vllm_draft_offload.bench.stress import report as sr
+from vllm_draft_offload.bench.stress import soak
+from vllm_draft_offload.bench.stress.load import SoakStreams, plan_pressure, pressure_requests
 
-import _soak_faults as sf  # noqa: E402
-import _stress_report as sr  # noqa: E402
-import pressure_run  # noqa: E402
-import soak  # noqa: E402
-from _soak_load import SoakStreams, plan_pressure, pressure_requests  # noqa: E402
+EXAMPLE = Path(__file__).parent / "data" / "pressure_example.json"
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -207,7 +204,7 @@ def _pressure(tmp_path: Path, data: dict[str, Any]) -> dict[str, Any]:
     path = tmp_path / "in.json"
     path.write_text(json.dumps(data))
     out = tmp_path / "out"
-    assert pressure_run.main(["--report-only", str(path), "--out", str(out)]) == 0
+    assert cli.main(["pressure", "--report-only", str(path), "--out", str(out)]) == 0
     return json.loads((out / "pressure.json").read_text())
 
 
@@ -276,7 +273,7 @@ def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path
 
 @pytest.fixture(scope="module")
 def tiny_fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from make_fixtures import build_fixtures
+    from vllm_draft_offload.bench.fixtures.build import build_fixtures
 
     out = tmp_path_factory.mktemp("fx")
     build_fixtures(out, seed=0, preset_name="tiny", max_steps=2, log=lambda _s: None)
@@ -300,11 +297,12 @@ SOAK_SUMMARY_KEYS = {
 
 
 def _soak(fx: Path, out: Path, backend: str, baseline_s: str) -> dict[str, Any]:
-    cmd = [sys.executable, str(SCRIPTS / "soak.py"), "--fixtures", str(fx), "--out", str(out)]
+    cmd = [sys.executable, "-m", "vllm_draft_offload.bench", "soak"]
+    cmd += ["--fixtures", str(fx), "--out", str(out)]
     # self-draft: a byte copy of the target, so acceptance really depends on the KV
     cmd += ["--dry-run-cpu", "--seconds", "8", "--drafter", "self-draft"]
     cmd += ["--backend", backend, "--baseline-seconds", baseline_s]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "soak.json").read_text())
@@ -365,7 +363,7 @@ def _soak_report(tmp_path: Path, data: dict[str, Any]) -> dict[str, Any]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "in.json"
     path.write_text(json.dumps(data))
-    assert soak.main(["--report-only", str(path), "--out", str(tmp_path / "out")]) == 0
+    assert cli.main(["soak", "--report-only", str(path), "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "soak.png").read_bytes()[:8] == PNG_MAGIC
     return json.loads((tmp_path / "out" / "soak.json").read_text())["summary"]
 

@@ -1,16 +1,13 @@
-"""restore_speed.py's L3 bookkeeping on CPU (the engines themselves need a GPU)."""
+"""`vllm-draft-offload restore-speed`: L3 bookkeeping on CPU (the engines need a GPU)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import restore_speed  # noqa: E402
+from vllm_draft_offload.bench.speed import restore as restore_speed
 
 
 def args(**over: object) -> argparse.Namespace:

@@ -1,14 +1,10 @@
-"""scripts/shared_storage.py's engine settings and report on CPU (the engines need a GPU)."""
+"""`vllm-draft-offload shared-storage`: engine settings and report on CPU (engines need a GPU)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import shared_storage  # noqa: E402
+from vllm_draft_offload.bench.accept import shared_storage
 
 
 def test_each_engine_has_a_fixed_kv_cache_and_the_shared_l3_dir() -> None:

@@ -1,10 +1,11 @@
 """Engine side of the benchmark: one ``vllm.LLM`` per process, or the memcpy probe.
 
-    python scripts/_bench_worker.py run JOB.json        # writes job["out"]
-    python scripts/_bench_worker.py memcpy OUT.json --gib 1
+    python -m vllm_draft_offload.bench.workloads.worker run JOB.json   # writes job["out"]
+    python -m vllm_draft_offload.bench.workloads.worker memcpy OUT.json --gib 1
 
-Run by bench_spec_offload.py in a subprocess per configuration x drafter, so that a
-connector that crashes the engine (or the interpreter) becomes a recorded result.
+Run by ``vllm-draft-offload bench`` (``run.py``) in a subprocess per configuration x
+drafter, so that a connector that crashes the engine (or the interpreter) becomes a
+recorded result.
 The result JSON is rewritten after every step, so a crash keeps what ran before it.
 """
 
@@ -21,9 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
-
-from _bench_workloads import (  # noqa: E402
+from vllm_draft_offload.bench.workloads.specs import (
     Sizes,
     Workload,
     build_workload,

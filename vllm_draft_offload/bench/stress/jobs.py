@@ -1,10 +1,10 @@
 """Parent side of the pressure run and the soak: engine arguments and engine subprocesses.
 
-Engine arguments come from `_bench_workloads.engine_kwargs` (the benchmark's
+Engine arguments come from `workloads.specs.engine_kwargs` (the benchmark's
 configurations ``none``, ``gpu_prefix``, ``ours_cpu``, ``ours_disk``), so every
 configuration differs only in caching and connector; this module then fixes the GPU
 KV capacity and the tier sizes of a run. Subprocess handling is the benchmark's
-(`bench_spec_offload.run_subprocess`, its log-error scan and versions).
+(`workloads.run.run_subprocess`, its log-error scan and versions).
 """
 
 from __future__ import annotations
@@ -17,12 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
+from vllm_draft_offload.bench.workloads.run import (
+    child_env,
+    error_lines,
+    run_subprocess,
+    tail,
+    versions,
+)
+from vllm_draft_offload.bench.workloads.specs import (
+    MIB,
+    Drafter,
+    Sizes,
+    engine_kwargs,
+    with_overrides,
+)
 
-from _bench_workloads import MIB, Drafter, Sizes, engine_kwargs, with_overrides  # noqa: E402
-from bench_spec_offload import child_env, error_lines, run_subprocess, tail, versions  # noqa: E402
-
-WORKER = Path(__file__).resolve().parent / "_stress_worker.py"
+# The engine side, run as ``python -m`` in a subprocess per engine.
+WORKER: list[str] = ["-m", "vllm_draft_offload.bench.stress.worker"]
 
 
 @dataclass(frozen=True)
@@ -95,10 +106,7 @@ def worker_env(dry_run: bool, batch_invariant: bool) -> dict[str, str]:
         extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if batch_invariant:
         extra["VLLM_BATCH_INVARIANT"] = "1"
-    env = child_env(dry_run, extra)
-    here = str(Path(__file__).resolve().parent)
-    env["PYTHONPATH"] = here + os.pathsep + env["PYTHONPATH"]
-    return env
+    return child_env(dry_run, extra)
 
 
 def run_job(
@@ -112,7 +120,7 @@ def run_job(
     path.write_text(json.dumps(job))
     log = out / "logs" / f"{name}.log"
     print(f"[stress] {name}: starting", flush=True)
-    rc, wall = run_subprocess([sys.executable, str(WORKER), str(path)], env, log, timeout)
+    rc, wall = run_subprocess([sys.executable, *WORKER, str(path)], env, log, timeout)
     res_path = Path(job["out"])
     rec: dict[str, Any] = (
         json.loads(res_path.read_text()) if res_path.exists() else {"status": "starting"}

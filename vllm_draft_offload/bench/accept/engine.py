@@ -1,6 +1,6 @@
-"""Engine side of accept_check.py: runs the phases in ``vllm.LLM`` (own process).
+"""Engine side of ``vllm-draft-offload accept`` (check.py): the phases in ``vllm.LLM``.
 
-    python scripts/_fixture_accept_engine.py CONFIG.json RESULT.json
+    python -m vllm_draft_offload.bench.accept.engine CONFIG.json RESULT.json
 
 RESULT.json is rewritten after every phase, so a crash of the engine (e.g. an
 unsupported connector) leaves the finished phases and the traceback behind.
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _fixture_data import CorpusSpec, PromptSet, build_prompts
-from accept_check import (
+
+from vllm_draft_offload.bench.accept.check import (
     AcceptCheckResult,
     PhaseResult,
     PhaseSpec,
@@ -30,6 +30,7 @@ from accept_check import (
     acceptance_length,
     collect_env,
 )
+from vllm_draft_offload.bench.fixtures.data import CorpusSpec, PromptSet, build_prompts
 
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -105,7 +106,8 @@ def build_llm_kwargs(
         kw["speculative_config"] = cfg.speculative_config
         kw["per_request_spec_decode_metrics"] = "summary"  # vLLM rejects it without spec
     if cfg.corrupt_draft_kv:
-        from kv_probe_connector import probe_transfer_config  # imports vllm: after env setup
+        # imports vllm: after env setup
+        from vllm_draft_offload.bench.accept.probe_connector import probe_transfer_config
 
         kw["kv_transfer_config"] = probe_transfer_config(
             report_path=str(probe_report) if probe_report else None, mode=cfg.corrupt_mode
@@ -178,9 +180,10 @@ def reset_prefix_cache(llm: Any, phase: str, tries: int = 10) -> None:
 
 
 def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> PhaseResult:
-    from kv_probe_connector import CORRUPT_ARG
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm_draft_offload.bench.accept.probe_connector import CORRUPT_ARG
 
     if spec.reset_before:
         reset_prefix_cache(llm, spec.name)
@@ -218,7 +221,7 @@ def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> 
 
 def shutdown_engine(llm: Any, timeout_s: float = 60.0) -> None:
     """Stop vLLM's engine processes, but never wait on them for long: a hung
-    shutdown must not turn a finished run into a timeout.  accept_check kills
+    shutdown must not turn a finished run into a timeout.  check.py kills
     whatever is left of this process group afterwards."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None:

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """TTFT of a restored prefix vs recompute, at real KV sizes (a Llama-3-8B shape).
 
-    python scripts/restore_speed.py --out results/restore_speed.json [--tokens 16384]
+    vllm-draft-offload restore-speed --out results/restore_speed.json [--tokens 16384]
 
 Weights are random (`load_format="dummy"`): this measures bytes moved and time,
 not acceptance. Every configuration runs in its own subprocess, one after
@@ -22,7 +21,7 @@ has the units found in storage once writes settle against the units expected
 (whole chunks of every prompt), the connector's own stored/dropped counters, the
 sustained L3 write throughput (bytes of the unit files over the time from the
 first to the last file's write), and, in the same run on the same directory, the
-raw disk bandwidth (`_disk_baseline`: O_DIRECT write with fsync; O_DIRECT, cold
+raw disk bandwidth (`disk_baseline`: O_DIRECT write with fsync; O_DIRECT, cold
 and warm buffered reads).
 
 Each runs with a `draft_model` drafter (a small Llama shape, same vocabulary),
@@ -44,7 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _disk_baseline import evict, measure
+from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 
 LLAMA8B = {
     "hidden_size": 4096,
@@ -72,6 +72,13 @@ TINY = {  # a smoke-test shape (CPU dry run), not a benchmark
 }
 SHAPES = {"llama8b": (LLAMA8B, DRAFT_SHAPE), "tiny": (TINY, TINY)}
 VOCAB = 128256
+EXAMPLES = """examples:
+  vllm-draft-offload restore-speed --enforce-eager --out $OUT/restore_speed.json
+  vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 3 \\
+      --l3-dir /root/l3 --drop-caches --out $OUT/restore_speed_l3.json
+"""
+# Every configuration runs in a child: this module again, as ``python -m``, with --child.
+MODULE = "vllm_draft_offload.bench.speed.restore"
 
 
 def write_config(path: Path, shape: dict[str, int], max_len: int) -> str:
@@ -153,13 +160,13 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _loaded_by_connector() -> tuple[float, float]:
     """(bytes, GPU seconds) of our connector's CPU-tier -> GPU loads, from its counters."""
-    from _bench_summary import LOADED_BYTES, TRANSFER_S, _sum_prefix
-    from _bench_worker import snapshot_metrics
+    from vllm_draft_offload.bench.workloads.summary import LOADED_BYTES, TRANSFER_S, sum_prefix
+    from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
 
     counters = snapshot_metrics()
     return (
-        _sum_prefix(counters, LOADED_BYTES, tier="cpu"),
-        _sum_prefix(counters, TRANSFER_S, direction="load", tier="cpu"),
+        sum_prefix(counters, LOADED_BYTES, tier="cpu"),
+        sum_prefix(counters, TRANSFER_S, direction="load", tier="cpu"),
     )
 
 
@@ -186,24 +193,24 @@ def write_throughput(files: list[Path]) -> dict[str, Any]:
 
 def _l3_counters() -> dict[str, float]:
     """The connector's own L3 write counters."""
-    from _bench_summary import _sum_prefix
-    from _bench_worker import snapshot_metrics
+    from vllm_draft_offload.bench.workloads.summary import sum_prefix
+    from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
 
     counters = snapshot_metrics()
     return {
-        "stored_chunks_l3": _sum_prefix(
+        "stored_chunks_l3": sum_prefix(
             counters, "vllm:draft_offload_stored_chunks_total", tier="l3"
         ),
-        "l3_write_dropped": _sum_prefix(
+        "l3_write_dropped": sum_prefix(
             counters, "vllm:draft_offload_fallbacks_total", cause="l3_write_dropped"
         ),
-        "store_failed": _sum_prefix(
+        "store_failed": sum_prefix(
             counters, "vllm:draft_offload_fallbacks_total", cause="store_failed"
         ),
     }
 
 
-def _wait_for_l3_files(directory: Path, settle_s: float = 3.0, limit_s: float = 300.0) -> int:
+def wait_for_l3_files(directory: Path, settle_s: float = 3.0, limit_s: float = 300.0) -> int:
     """Wait until the L3 directory stops growing: the write-behind queue has drained."""
     deadline = time.monotonic() + limit_s
     last, stable_since = -1, time.monotonic()
@@ -225,9 +232,10 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     L3 (``hit_s``), a second one after a GPU-cache reset from the CPU tier the
     first one filled (``cpu_hit_s``); ``fresh_s`` there are new prompts.
     """
-    from _bench_worker import reset_prefix_cache_after_stores
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm_draft_offload.bench.workloads.worker import reset_prefix_cache_after_stores
 
     llm = LLM(
         model=args.target,
@@ -301,7 +309,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             hit(rep, results)
     if args.config == "ours_l3_fill":
         empty_gpu_cache()  # every store done: the L3 writes are queued
-        results["l3_files"] = _wait_for_l3_files(Path(args.l3_dir))
+        results["l3_files"] = wait_for_l3_files(Path(args.l3_dir))
         for _ in range(3):  # the worker's write events reach the metrics in later steps
             step_engine()
         results["l3_counters"] = _l3_counters()
@@ -310,8 +318,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="vllm-draft-offload restore-speed",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=4)
@@ -346,7 +359,7 @@ def main() -> None:
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--draft", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         Path(args.child).write_text(json.dumps(run_config(args)))
         return
@@ -387,12 +400,12 @@ def main() -> None:
             args.drop_caches,
         )
         print("raw_disk", json.dumps(report["raw_disk"]), flush=True)
-    for config in engines:
+    for config in progress(engines, "restore-speed"):
         if config == "ours_l3_cold":
             report["l3_cold_method"] = evict(unit_files(l3_dir), args.drop_caches)
         child_out = work / f"{config}.json"
         cmd = [
-            sys.executable, __file__, "--out", args.out, "--child", str(child_out),
+            sys.executable, "-m", MODULE, "--out", args.out, "--child", str(child_out),
             "--target", target, "--config", config, "--tokens", str(args.tokens),
             "--reps", str(args.reps), "--chunk-size", str(args.chunk_size),
             "--cpu-gib", str(args.cpu_gib), "--gpu-mem", str(args.gpu_mem),

@@ -1,6 +1,6 @@
 """The soak's load mix and the pressure run's request list, as token ids.
 
-Pure Python + numpy (like `_bench_workloads`, whose copy-corpus `TokenSource` builds
+Pure Python + numpy (like `workloads.specs`, whose copy-corpus `TokenSource` builds
 every prompt): each request ends in a cue into its own context, so the greedy answer
 copies and the accepted draft tokens depend on the KV of that context.
 
@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
-from _bench_workloads import TokenSource
+
+from vllm_draft_offload.bench.workloads.specs import TokenSource
 
 KINDS: tuple[str, ...] = ("system", "chat", "docqa", "divergent")
 Next = Callable[[list[int] | None], tuple[str, list[int], int] | None]

@@ -39,7 +39,7 @@ OURS = ("ours_cpu", "ours_disk")
 # ----------------------------------------------------------------------------- helpers
 
 
-def _sum_prefix(counters: dict[str, float], name: str, **labels: str) -> float:
+def sum_prefix(counters: dict[str, float], name: str, **labels: str) -> float:
     """Sum of the series of ``name`` whose labels include ``labels``."""
     total = 0.0
     for key, value in counters.items():
@@ -53,10 +53,10 @@ def _sum_prefix(counters: dict[str, float], name: str, **labels: str) -> float:
 
 
 def acceptance_length(counters: dict[str, float]) -> float | None:
-    drafts = _sum_prefix(counters, DRAFTS)
+    drafts = sum_prefix(counters, DRAFTS)
     if drafts <= 0:
         return None
-    return 1.0 + _sum_prefix(counters, ACCEPTED) / drafts
+    return 1.0 + sum_prefix(counters, ACCEPTED) / drafts
 
 
 def pct(values: Iterable[float | None], q: float) -> float | None:
@@ -73,7 +73,7 @@ def _median(values: Iterable[float | None]) -> float | None:
     return pct(values, 50)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
@@ -91,10 +91,10 @@ def decode_tok_s(requests: list[dict[str, Any]]) -> float | None:
 
 def histogram_stats(counters: dict[str, float], name: str) -> dict[str, Any] | None:
     """count/mean/fraction <= 1 of a recorded histogram; None when it saw nothing."""
-    count = _sum_prefix(counters, name + "_count")
+    count = sum_prefix(counters, name + "_count")
     if count <= 0:
         return None
-    total = _sum_prefix(counters, name + "_sum")
+    total = sum_prefix(counters, name + "_sum")
     buckets: dict[float, float] = {}
     for key, value in counters.items():
         base, _, rest = key.partition("{")
@@ -195,8 +195,8 @@ def summarize_ttft(run: dict[str, Any]) -> dict[str, Any]:
             dt = hit_p50 - tail_p50
             est = kv_bpt * cached / dt / 1e9 if dt > 0 else None
         hc = cur.get("hits_counters", {})
-        lb = _sum_prefix(hc, LOADED_BYTES)
-        ls = _sum_prefix(hc, TRANSFER_S, direction="load")
+        lb = sum_prefix(hc, LOADED_BYTES)
+        ls = sum_prefix(hc, TRANSFER_S, direction="load")
         first = cur.get("first_hit") or {}
         out[key] = {
             "prompt_len": cur.get("prompt_len"),
@@ -208,7 +208,7 @@ def summarize_ttft(run: dict[str, Any]) -> dict[str, Any]:
             "tail_p50_ms": _ms(tail_p50),
             "restore_gbps_est": est,
             "restore_gbps_metric": (lb / ls / 1e9) if lb > 0 and ls > 0 else None,
-            "hit_over_fresh": _ratio(hit_p50, _median(f.get("ttft_s") for f in fresh)),
+            "hit_over_fresh": ratio(hit_p50, _median(f.get("ttft_s") for f in fresh)),
         }
     return out
 
@@ -220,8 +220,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         config, drafter = run_key(run)
         base = {"config": config, "drafter": drafter, "method": run["drafter"]["method"]}
         totals = run.get("totals", {})
-        lb = _sum_prefix(totals, LOADED_BYTES)
-        ls = _sum_prefix(totals, TRANSFER_S, direction="load")
+        lb = sum_prefix(totals, LOADED_BYTES)
+        ls = sum_prefix(totals, TRANSFER_S, direction="load")
         runs.append(
             {
                 **base,
@@ -233,7 +233,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 "recomputed_hist": histogram_stats(totals, RECOMP),
                 "restore_gbps_metric_total": (lb / ls / 1e9) if lb > 0 and ls > 0 else None,
                 "loaded_bytes": {
-                    t: _sum_prefix(totals, LOADED_BYTES, tier=t) for t in ("cpu", "l3")
+                    t: sum_prefix(totals, LOADED_BYTES, tier=t) for t in ("cpu", "l3")
                 },
                 "ttft": summarize_ttft(run),
             }
@@ -254,7 +254,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                     "phases": s,
                     "al_fresh": al_f,
                     "al_restored": al_r,
-                    "al_ratio": _ratio(al_r, al_f),
+                    "al_ratio": ratio(al_r, al_f),
                     "al_continue": s["continue"]["al"] if s["continue"] else None,
                 }
             )

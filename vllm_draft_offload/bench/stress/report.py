@@ -2,7 +2,7 @@
 
 Pure functions of the recorded data (no engine), so ``--report-only`` and the tests
 rebuild every number from a recorded run. Counter keys are prometheus sample names
-as `_bench_worker.snapshot_metrics` writes them, e.g.
+as `workloads.worker.snapshot_metrics` writes them, e.g.
 ``vllm:draft_offload_loaded_chunks_total{tier=cpu}``.
 """
 

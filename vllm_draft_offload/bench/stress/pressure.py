@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Pressure run: the connector when the GPU cache and the CPU tier both evict.
 
 Per drafter, three engines run the same request list (same order, same number of
@@ -12,10 +11,6 @@ concurrent streams, greedy) one after another, each in its own subprocess:
 
 The working set is ``--ws-factor`` x the GPU KV capacity (``num_gpu_blocks_override``).
 Writes ``OUT/pressure.json`` and ``OUT/pressure.md``; see docs/benchmark.md.
-
-    python scripts/pressure_run.py --fixtures /root/fx --out /root/pressure
-    python scripts/pressure_run.py --fixtures /tmp/fx --out /tmp/p --dry-run-cpu --drafters eagle3
-    python scripts/pressure_run.py --report-only /root/pressure/pressure.json --out /tmp/rep
 """
 
 from __future__ import annotations
@@ -29,12 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
-
-from _bench_workloads import parse_drafters  # noqa: E402
-from _soak_load import plan_pressure  # noqa: E402
-from _stress_engine import dtype_bytes, kv_bytes_per_token  # noqa: E402
-from _stress_jobs import (  # noqa: E402
+from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.stress.engine import dtype_bytes, kv_bytes_per_token
+from vllm_draft_offload.bench.stress.jobs import (
     EngineShape,
     build_kwargs,
     cpu_tier_bytes,
@@ -42,17 +34,28 @@ from _stress_jobs import (  # noqa: E402
     run_job,
     worker_env,
 )
-from _stress_report import pressure_markdown, pressure_summary  # noqa: E402
-from bench_spec_offload import read_model_limits  # noqa: E402
+from vllm_draft_offload.bench.stress.load import plan_pressure
+from vllm_draft_offload.bench.stress.report import pressure_markdown, pressure_summary
+from vllm_draft_offload.bench.workloads.run import read_model_limits
+from vllm_draft_offload.bench.workloads.specs import parse_drafters
 
 ROLES: dict[str, str] = {"reference": "none", "control": "gpu_prefix", "ours": "ours_cpu"}
+EXAMPLES = """examples:
+  vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure
+  vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure-bi --batch-invariant
+  vllm-draft-offload pressure --fixtures /tmp/fx --out /tmp/p --dry-run-cpu --drafters self-draft
+  vllm-draft-offload pressure --report-only /root/pressure/pressure.json --out /tmp/rep
+"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="vllm-draft-offload pressure",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--fixtures", help="fixture dir from make_fixtures.py")
+    ap.add_argument("--fixtures", help="fixture dir from `vllm-draft-offload fixtures`")
     ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument("--drafters", default="eagle3,small-draft", help="fixture names or M:PATH")
     ap.add_argument("--out", type=Path, default=Path("pressure-out"))
@@ -70,7 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--l3-dir", type=Path, default=Path("/tmp/pressure-l3"))
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--dtype", help="engine dtype (auto; dry run float32)")
-    ap.add_argument("--compile", action="store_true", help="no --enforce-eager (slower start)")
+    eager = ap.add_mutually_exclusive_group()
+    eager.add_argument(
+        "--enforce-eager",
+        dest="compile",
+        action="store_false",
+        help="eager engines, no CUDA graphs (the default here: faster starts)",
+    )
+    eager.add_argument("--compile", action="store_true", help="compiled engines (slower start)")
     ap.add_argument("--num-spec-tokens", type=int, default=3)
     ap.add_argument("--engine-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     req_len = plan.prefix_len + plan.suffix_len + plan.answer + args.num_spec_tokens + 1
     max_model_len = math.ceil(req_len / block) * block
     data: dict[str, Any] = {
-        **run_header("pressure", "pressure_run.py", argv, dry, args.batch_invariant),
+        **run_header("pressure", "vllm-draft-offload pressure", argv, dry, args.batch_invariant),
         "model": model,
         "plan": plan.to_dict(),
         "chunk_size": chunk,
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     env = worker_env(dry, args.batch_invariant)
     t0 = time.time()
-    for drafter in parse_drafters(args.drafters, args.fixtures):
+    for drafter in progress(parse_drafters(args.drafters, args.fixtures), "pressure", "drafter"):
         elem = dtype_bytes(dtype, model)
         bpt = kv_bytes_per_token(model, elem) + kv_bytes_per_token(drafter.path, elem)
         cpu_bytes = cpu_tier_bytes(args.cpu_fraction, plan.working_set_tokens, bpt, chunk)

@@ -1,8 +1,8 @@
 """Outputs of the spec-decode offload benchmark: summary.json, summary.md, PNG plots.
 
 Works on the recorded JSON only (no vllm, no torch), so ``--report-only`` can rebuild
-everything from a run made elsewhere. Numbers: _bench_summary.py; goals:
-_bench_goals.py; definitions in docs/benchmark.md.
+everything from a run made elsewhere. Numbers: summary.py; goals:
+goals.py; definitions in docs/benchmark.md.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from _bench_goals import evaluate_goals
-from _bench_summary import summarize
+from vllm_draft_offload.bench.workloads.goals import evaluate_goals
+from vllm_draft_offload.bench.workloads.summary import summarize
 
 # ----------------------------------------------------------------------------- outputs
 

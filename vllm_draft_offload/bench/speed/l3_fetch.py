@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """How fast units come back from the LMCache storage tier, next to the raw disk.
 
-    python scripts/l3_fetch_speed.py --url fs:///tmp/l3-speed [--unit-mb 36] [--units 16] \\
+    vllm-draft-offload l3-speed --url fs:///tmp/l3-speed [--unit-mb 36] [--units 16] \\
         [--threads 1,2,4,8] [--modes cold,warm] [--drop-caches] [--out result.json]
 
 Writes ``--units`` real target+draft units (the codec's format, ``--unit-mb`` each:
@@ -14,7 +13,7 @@ an L3 hit; GPU time is not involved.
 * ``cold`` (fs:// only): before every pass the units' files are evicted from the page
   cache (``posix_fadvise(DONTNEED)``, or ``drop_caches`` with ``--drop-caches`` as root).
 
-For fs://, the same run measures the directory's raw bandwidth with ``_disk_baseline``
+For fs://, the same run measures the directory's raw bandwidth with ``disk_baseline``
 (an O_DIRECT write with fsync; O_DIRECT, cold buffered and warm buffered reads, on the
 same thread counts) and reports each fetch figure as a fraction of the raw read of the
 same kind: cold fetch / raw cold buffered read, warm fetch / raw warm read.
@@ -33,8 +32,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
-from _disk_baseline import evict, measure
 
+from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import (
     ExpectedUnit,
@@ -98,8 +97,20 @@ def fs_directory(url: str) -> Path | None:
     return Path(parts.path) if parts.scheme == "fs" else None
 
 
+EXAMPLES = """examples:
+  vllm-draft-offload l3-speed --url fs:///root/l3-fetch --threads 1,2,4,8 --units 32 \\
+      --drop-caches --out $OUT/l3_fetch_speed.json
+  vllm-draft-offload l3-speed --url redis://127.0.0.1:6379 --modes warm --out /tmp/redis.json
+"""
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="vllm-draft-offload l3-speed",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--url", required=True, help="LMCache remote_url, e.g. fs:///tmp/l3-speed")
     ap.add_argument("--unit-mb", type=float, default=36.0)
     ap.add_argument("--units", type=int, default=16)

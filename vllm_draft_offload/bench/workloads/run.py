@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark KV offload under speculative decoding: ours vs vLLM native vs LMCache.
 
 One run compares, on the same token-id prompts, the configurations
@@ -7,14 +6,6 @@ One run compares, on the same token-id prompts, the configurations
 (DraftOffloadConnector with the LMCache fs:// tier), each x every drafter, each
 engine in its own subprocess (a crash is a result), and writes
 ``OUT/bench.json`` (every raw number), ``OUT/summary.{json,md}`` and PNG plots.
-
-    # GPU (one H100), fixtures from scripts/make_fixtures.py --preset gpu
-    python scripts/bench_spec_offload.py --fixtures /root/fixtures --out /root/bench
-    # CPU dry run with the tiny fixtures
-    python scripts/bench_spec_offload.py --fixtures /tmp/fx --dry-run-cpu --out /tmp/bench
-    # rebuild summary and plots from a recorded run
-    python scripts/bench_spec_offload.py --report-only /root/bench/bench.json --out /tmp/rep
-
 See docs/benchmark.md.
 """
 
@@ -34,10 +25,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
-
-from _bench_report import write_report  # noqa: E402
-from _bench_workloads import (  # noqa: E402
+from vllm_draft_offload.bench import PACKAGE_PARENT
+from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.workloads.report import write_report
+from vllm_draft_offload.bench.workloads.specs import (
     CONFIGS,
     GIB,
     WORKLOADS,
@@ -52,7 +43,16 @@ from _bench_workloads import (  # noqa: E402
     with_overrides,
 )
 
-WORKER = Path(__file__).resolve().parent / "_bench_worker.py"
+EXAMPLES = """examples:
+  # GPU (one H100), fixtures from `vllm-draft-offload fixtures --preset gpu`
+  vllm-draft-offload bench --fixtures /root/fixtures --out /root/bench --enforce-eager
+  # CPU dry run with the tiny fixtures
+  vllm-draft-offload bench --fixtures /tmp/fx --dry-run-cpu --out /tmp/bench
+  # rebuild summary and plots from a recorded run
+  vllm-draft-offload bench --report-only /root/bench/bench.json --out /tmp/rep
+"""
+# The engine side, run as ``python -m`` in a subprocess per engine (tests swap it).
+WORKER: list[str] = ["-m", "vllm_draft_offload.bench.workloads.worker"]
 CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -66,7 +66,10 @@ def _ints(s: str) -> tuple[int, ...]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="vllm-draft-offload bench",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--out", type=Path, help="output directory (default bench-out, or the JSON's dir)"
@@ -77,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="tiny sizes and CPU engine args (float32, block 32, eager, chunk 32)",
     )
-    ap.add_argument("--fixtures", help="fixture dir from make_fixtures.py (target + drafters)")
+    ap.add_argument(
+        "--fixtures", help="fixture dir from `vllm-draft-offload fixtures` (target + drafters)"
+    )
     ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument(
         "--drafters",
@@ -183,8 +188,7 @@ def child_env(dry_run: bool, extra: dict[str, str]) -> dict[str, str]:
             env.setdefault(k, v)
     env.update(extra)
     # the package under test must be importable from the worker even uninstalled
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))
     return env
 
 
@@ -222,7 +226,7 @@ def measure_memcpy(out: Path, gib: float, dry_run: bool, timeout: float) -> dict
         return {"gbps": None, "device": "cpu", "reason": "skipped in --dry-run-cpu"}
     path = out / "memcpy.json"
     rc, _ = run_subprocess(
-        [sys.executable, str(WORKER), "memcpy", str(path), "--gib", str(gib)],
+        [sys.executable, *WORKER, "memcpy", str(path), "--gib", str(gib)],
         child_env(False, {}),
         out / "logs" / "memcpy.log",
         timeout,
@@ -276,9 +280,7 @@ def run_engine_job(
     job_path.write_text(json.dumps(job, indent=1))
     log = out / "logs" / f"{name}.log"
     print(f"[bench] {name}: starting ({job['stage']})", flush=True)
-    rc, wall = run_subprocess(
-        [sys.executable, str(WORKER), "run", str(job_path)], env, log, timeout
-    )
+    rc, wall = run_subprocess([sys.executable, *WORKER, "run", str(job_path)], env, log, timeout)
     res_path = Path(job["out"])
     rec: dict[str, Any] = (
         json.loads(res_path.read_text())
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "schema": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv if argv is None else ["bench_spec_offload.py", *argv],
+        "argv": sys.argv if argv is None else ["vllm-draft-offload", "bench", *argv],
         "dry_run": args.dry_run_cpu,
         "device": {
             "name": "cpu" if args.dry_run_cpu else (memcpy.get("device") or "unknown"),
@@ -468,13 +470,13 @@ def main(argv: list[str] | None = None) -> int:
             "fill_digest": digest(wl.fill),
             "n_fill": len(wl.fill),
         }
-    for config in configs:
-        for i, drafter in enumerate(drafters):
-            ttft = bool(sizes.ttft_lengths) and (i == 0 or args.ttft_all_drafters)
-            rec = run_config(config, drafter, args, sizes, model, vocab, workloads, ttft, out)
-            data["runs"].append(rec)
-            # rewritten after every engine: an interrupted run still has a usable JSON
-            (out / "bench.json").write_text(json.dumps(data, indent=1))
+    runs = [(config, i, drafter) for config in configs for i, drafter in enumerate(drafters)]
+    for config, i, drafter in progress(runs, "bench"):
+        ttft = bool(sizes.ttft_lengths) and (i == 0 or args.ttft_all_drafters)
+        rec = run_config(config, drafter, args, sizes, model, vocab, workloads, ttft, out)
+        data["runs"].append(rec)
+        # rewritten after every engine: an interrupted run still has a usable JSON
+        (out / "bench.json").write_text(json.dumps(data, indent=1))
     data["total_wall_s"] = time.time() - t0
     (out / "bench.json").write_text(json.dumps(data, indent=1))
     summary = write_report(data, out)

@@ -1,11 +1,8 @@
-#!/usr/bin/env python
-"""Baseline tables from acceptance runs (scripts/gpu/accept_runs.sh output).
+"""Baseline tables from acceptance runs (``scripts/gpu/accept_runs.sh`` output).
 
 Reads every ``accept_<drafter>-<connector>.json`` (an :class:`AcceptCheckResult`) in DIR
 and prints markdown: table A, KV sensitivity (the ``corrupt`` runs), and table B,
 restored/fresh acceptance per drafter and connector.
-
-  python scripts/accept_table.py results/gpu/accept_h200 [--out table.md]
 """
 
 from __future__ import annotations
@@ -16,9 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
-
-from accept_check import AcceptCheckResult, Comparison  # noqa: E402
+from vllm_draft_offload.bench.accept.check import AcceptCheckResult, Comparison
 
 Results = dict[tuple[str, str], AcceptCheckResult]  # (drafter, connector) -> result
 
@@ -165,8 +160,19 @@ def load_results(directory: Path) -> Results:
     }
 
 
+EXAMPLES = """examples:
+  vllm-draft-offload table results/gpu/accept_h200
+  vllm-draft-offload table results/gpu/accept_h200 --out /tmp/tables.md
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="vllm-draft-offload table",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("dir", type=Path, help="directory with accept_<drafter>-<connector>.json")
     ap.add_argument("--out", type=Path, help="also write the markdown here")
     args = ap.parse_args(argv)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Acceptance-parity harness: does restored KV give the drafter the acceptance of fresh KV?
 
 Runs vLLM offline (``vllm.LLM``) in a subprocess on shared-prefix prompts built from
@@ -10,20 +9,13 @@ Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
             connector; outputs must equal ``fresh``, acceptance ratio restored/fresh ~ 1
   extended  reset again, base prompts + continuations (prefix from the connector)
 
-``--corrupt-draft-kv`` plan (KV-sensitivity check, scripts/kv_probe_connector.py):
+``--corrupt-draft-kv`` plan (KV-sensitivity check, ``probe_connector.py``):
   fresh             base prompts
   extended          base + continuations, prefix from the GPU prefix cache
   refill            reset, base prompts again (re-fills the cache with intact KV)
   extended_corrupt  as ``extended``, but the drafter's KV of the cached prefix is
                     zeroed first; outputs must equal ``extended`` (target KV intact),
                     acceptance must drop (>= 30% on the gpu fixtures)
-
-Examples:
-  python scripts/accept_check.py --model F/target --spec-method eagle --draft F/eagle \\
-      --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
-      "kv_connector_extra_config":{"cpu_bytes_to_use":8000000000}}' --out res.json
-  python scripts/accept_check.py --model F/target --spec-method draft_model \\
-      --draft F/small-draft --corrupt-draft-kv --out sens.json
 """
 
 from __future__ import annotations
@@ -44,7 +36,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-SCRIPTS_DIR = Path(__file__).resolve().parent
+from vllm_draft_offload.bench import PACKAGE_PARENT
+
+EXAMPLES = """examples:
+  # parity of vLLM's OffloadingConnector with an EAGLE head (fixtures from `fixtures`)
+  vllm-draft-offload accept --fixtures F --spec-method eagle --draft eagle \\
+      --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"cpu_bytes_to_use":8000000000}}' --out res.json
+  # KV sensitivity: zero the restored draft KV, acceptance must drop
+  vllm-draft-offload accept --fixtures F --spec-method draft_model --draft small-draft \\
+      --corrupt-draft-kv --enforce-eager --out sens.json
+  # any model dirs instead of fixtures
+  vllm-draft-offload accept --model /models/target --spec-method eagle3 \\
+      --draft /models/eagle3 --out res.json
+"""
+# The engine side, run as ``python -m`` in its own process.
+ENGINE_MODULE = "vllm_draft_offload.bench.accept.engine"
 SCHEMA_VERSION = 1
 SENSITIVITY_MIN_DROP = 0.30  # corrupted draft KV must cost >= 30% of the acceptance length
 
@@ -258,10 +265,10 @@ def collect_env() -> Environment:
 
 
 def child_env() -> dict[str, str]:
-    """Environment of the engine subprocess: scripts/ importable (fixture helpers and
-    the probe connector, also in vLLM's own worker processes)."""
+    """Environment of the engine subprocess: this package importable (the engine module
+    and the probe connector, also in vLLM's own worker processes), installed or not."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS_DIR), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -275,8 +282,7 @@ def run_engine_subprocess(cfg: RunConfig, result_path: Path, timeout_s: float) -
     """
     cfg_path = result_path.with_suffix(".config.json")
     cfg_path.write_text(cfg.model_dump_json(indent=1))
-    engine = SCRIPTS_DIR / "_fixture_accept_engine.py"
-    cmd = [sys.executable, str(engine), str(cfg_path), str(result_path)]
+    cmd = [sys.executable, "-m", ENGINE_MODULE, str(cfg_path), str(result_path)]
     # own session: on timeout the whole group (vLLM's worker processes too) is killed
     proc = subprocess.Popen(
         cmd,
@@ -345,26 +351,40 @@ def _default_prompt_tokens(model: str) -> int:
     return {"gpu": 4096, "cpu": 448, "tiny": 256}.get(preset or "", 1024)
 
 
+def model_dirs(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(target, drafter) dirs: ``--model``/``--draft`` as given, or in ``--fixtures``
+    (where a ``--draft`` without a ``/`` names a fixture)."""
+    fixtures = Path(args.fixtures) if args.fixtures else None
+    model = args.model or (str(fixtures / "target") if fixtures else None)
+    if model is None:
+        raise SystemExit("give --model or --fixtures")
+    draft = args.draft
+    if draft and fixtures is not None and "/" not in draft:
+        draft = str(fixtures / draft)
+    return model, draft
+
+
 def build_config(args: argparse.Namespace) -> RunConfig:
+    model, draft = model_dirs(args)
     spec = _json_arg(args.speculative_config)
     if spec is None and args.spec_method != "none":
-        if not args.draft and args.spec_method != "ngram":
+        if not draft and args.spec_method != "ngram":
             raise SystemExit("--draft is required with --spec-method " + args.spec_method)
         spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens}
-        if args.draft:
-            spec["model"] = args.draft
+        if draft:
+            spec["model"] = draft
     kv = _json_arg(args.kv_transfer_config)
     if args.corrupt_draft_kv and kv is not None:
         raise SystemExit(
             "--corrupt-draft-kv uses its own probe connector; drop --kv-transfer-config"
         )
     return RunConfig(
-        model=args.model,
+        model=model,
         speculative_config=spec,
         kv_transfer_config=kv,
         corrupt_draft_kv=args.corrupt_draft_kv,
         corrupt_mode=args.corrupt_mode,
-        prompt_tokens=args.prompt_tokens or _default_prompt_tokens(args.model),
+        prompt_tokens=args.prompt_tokens or _default_prompt_tokens(model),
         num_prompts=args.num_prompts,
         prompts_per_group=args.prompts_per_group,
         max_tokens=args.max_tokens,
@@ -379,13 +399,21 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="vllm-draft-offload accept",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--model", required=True, help="target model dir")
+    ap.add_argument(
+        "--fixtures",
+        help="fixture dir from `vllm-draft-offload fixtures`: --model defaults to "
+        "FIXTURES/target and a bare --draft name is FIXTURES/NAME",
+    )
+    ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument(
         "--spec-method", default="none", choices=["none", "draft_model", "eagle", "eagle3", "ngram"]
     )
-    ap.add_argument("--draft", help="drafter dir (draft model or EAGLE head)")
+    ap.add_argument("--draft", help="drafter dir (draft model or EAGLE head), or a fixture name")
     ap.add_argument("--num-spec-tokens", type=int, default=3)
     ap.add_argument(
         "--speculative-config", help="JSON; overrides --spec-method/--draft/--num-spec-tokens"
@@ -402,7 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--block-size", type=int, default=None, help="default: vLLM's (32 on CPU)")
-    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (faster engine start)"
+    )
     ap.add_argument("--llm-kwargs", help="JSON of extra vllm.LLM kwargs (applied last)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="engine subprocess timeout (s)")
     ap.add_argument("--out", type=Path, help="result JSON (default: stdout only)")

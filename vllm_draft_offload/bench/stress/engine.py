@@ -32,7 +32,7 @@ class Finished:
     kind: str
     prompt: list[int]
     output: list[int]
-    record: dict[str, Any]  # _bench_worker.request_record(...)
+    record: dict[str, Any]  # workloads.worker.request_record(...)
     submit_t: float  # seconds since the driver started
     end_t: float
 
@@ -74,10 +74,11 @@ class StreamDriver:
         self.tick_s = tick_s
 
     def run(self) -> DriverResult:
-        from _bench_worker import request_record
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+
+        from vllm_draft_offload.bench.workloads.worker import request_record
 
         engine = self.llm.llm_engine
         res = DriverResult()

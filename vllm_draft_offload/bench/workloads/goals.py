@@ -10,8 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from _bench_summary import GOAL_TTFT_LEN, OURS, _ratio
-from _bench_workloads import EAGLE_METHODS
+from vllm_draft_offload.bench.workloads.specs import EAGLE_METHODS
+from vllm_draft_offload.bench.workloads.summary import GOAL_TTFT_LEN, OURS, ratio
 
 # Project goals: (id, description, comparison, threshold)
 GOALS: tuple[tuple[str, str, str, float], ...] = (
@@ -195,7 +195,7 @@ def evaluate_goals(summary: dict[str, Any], data: dict[str, Any]) -> list[dict[s
         o, b = get.get("ours_cpu"), get.get("gpu_prefix")
         if o and b:
             key = "decode_tok_s" if o["decode_tok_s"] and b["decode_tok_s"] else "output_tok_s"
-            r = _ratio(o[key], b[key])
+            r = ratio(o[key], b[key])
             if r is not None:
                 nh.append((r, f"{d}: {o[key]:.1f} vs {b[key]:.1f} tok/s ({key})"))
     goals.append(

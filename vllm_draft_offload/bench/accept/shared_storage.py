@@ -1,8 +1,4 @@
-#!/usr/bin/env python
 """Two vLLM engines, two processes, one GPU, one L3 directory: B hits what A wrote.
-
-    python scripts/shared_storage.py --fixtures /root/fx --out $OUT/shared \\
-        [--spec-method eagle3 --draft eagle3] [--prompt-tokens 4096] [--kv-cache-gib 8]
 
 Engine A (writer) serves the fixture prompts (`docs/fixtures.md`, shared-prefix groups),
 fresh, and lands their units in the `fs://` directory. Then engine B starts in its own
@@ -27,8 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
+EXAMPLES = """examples:
+  vllm-draft-offload shared-storage --fixtures /root/fx --out $OUT/shared --enforce-eager
+  vllm-draft-offload shared-storage --fixtures /root/fx --out $OUT/shared \\
+      --spec-method draft_model --draft small-draft --prompt-tokens 4096 --kv-cache-gib 8
+"""
+# Both engines run this module again, as ``python -m``, with --role.
+MODULE = "vllm_draft_offload.bench.accept.shared_storage"
 
 
 def engine_kwargs(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
@@ -63,12 +64,13 @@ def engine_kwargs(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
 
 def run_engine(args: argparse.Namespace) -> None:
     """Child: engine A (`--role writer`) or B (`--role reader`)."""
-    from _bench_summary import _sum_prefix
-    from _bench_worker import snapshot_metrics
-    from _fixture_accept_engine import load_corpus, request_result
-    from _fixture_data import build_prompts
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm_draft_offload.bench.accept.engine import load_corpus, request_result
+    from vllm_draft_offload.bench.fixtures.data import build_prompts
+    from vllm_draft_offload.bench.workloads.summary import sum_prefix
+    from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
 
     work = Path(args.work)
     model = str(Path(args.fixtures) / "target")
@@ -91,9 +93,9 @@ def run_engine(args: argparse.Namespace) -> None:
 
     if args.role == "writer":
         results = serve(prompts.base)
-        from restore_speed import _wait_for_l3_files
+        from vllm_draft_offload.bench.speed.restore import wait_for_l3_files
 
-        _wait_for_l3_files(Path(args.l3_dir))
+        wait_for_l3_files(Path(args.l3_dir))
         (work / "a_ready.json").write_text(json.dumps({"requests": results}))
         # Keep writing new prompts until the reader is done.
         written, started = [], time.time()
@@ -117,10 +119,10 @@ def run_engine(args: argparse.Namespace) -> None:
     results = serve(prompts.base)  # the same prompts A served: prefixes from A's units
     after = snapshot_metrics()
     counters = {
-        "lookup_hit_chunks_l3": _sum_prefix(
+        "lookup_hit_chunks_l3": sum_prefix(
             after, "vllm:draft_offload_lookup_hit_chunks_total", tier="l3"
         )
-        - _sum_prefix(before, "vllm:draft_offload_lookup_hit_chunks_total", tier="l3"),
+        - sum_prefix(before, "vllm:draft_offload_lookup_hit_chunks_total", tier="l3"),
         "refusals": {k: v for k, v in after.items() if "draft_offload_refusals" in k},
         "fallbacks": {k: v for k, v in after.items() if "draft_offload_fallbacks" in k},
     }
@@ -139,7 +141,7 @@ def summarize(
     a: list[dict[str, Any]], b: dict[str, Any], filler_done_at: list[float]
 ) -> dict[str, Any]:
     """Per prompt: B's hit tokens and acceptance restored from A's units vs A's fresh."""
-    from accept_check import ratio
+    from vllm_draft_offload.bench.accept.check import ratio
 
     per_prompt = [
         {
@@ -167,9 +169,17 @@ def summarize(
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fixtures", required=True, help="scripts/make_fixtures.py output")
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(
+        prog="vllm-draft-offload shared-storage",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--fixtures", required=True, help="fixture dir from `vllm-draft-offload fixtures`"
+    )
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--spec-method", default="eagle3")
     ap.add_argument("--draft", default="eagle3", help="fixture dir of the drafter")
@@ -184,18 +194,18 @@ def main() -> None:
     ap.add_argument("--limit-s", type=float, default=900.0)
     ap.add_argument("--role", choices=["writer", "reader"], help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.role:
         run_engine(args)
         return
 
-    from accept_check import child_env, collect_env
+    from vllm_draft_offload.bench.accept.check import child_env, collect_env
 
     out: Path = args.out
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     args.l3_dir = args.l3_dir or str(out / "l3")
-    base = [sys.executable, __file__, *sys.argv[1:], "--l3-dir", args.l3_dir, "--work", str(work)]
+    base = [sys.executable, "-m", MODULE, *argv, "--l3-dir", args.l3_dir, "--work", str(work)]
     env = child_env()
     logs = {role: open(out / f"{role}.log", "w") for role in ("writer", "reader")}  # noqa: SIM115
     writer = subprocess.Popen(

@@ -1,12 +1,12 @@
 """Engine side of the pressure run and the soak: one ``vllm.LLM`` per process.
 
-    python scripts/_stress_worker.py JOB.json      # writes job["out"]
+    python -m vllm_draft_offload.bench.stress.worker JOB.json      # writes job["out"]
 
 ``job["mode"]``:
 
-* ``pressure``: the request list of `_soak_load.pressure_requests` on
+* ``pressure``: the request list of `load.pressure_requests` on
   ``job["streams"]`` streams (`StreamDriver`), outputs and counters recorded.
-* ``soak``: the load mix of `_soak_load.SoakStreams` until ``job["seconds"]``; every
+* ``soak``: the load mix of `load.SoakStreams` until ``job["seconds"]``; every
   second a memory sample and the connector/prefix-cache counters; writes
   ``job["ready"]`` once the engine serves, so the parent starts its fault schedule.
 * ``replay``: ``job["replay"]`` prompts twice on this engine (as given, then reversed:
@@ -26,8 +26,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
-
 # Counters sampled over time by the soak (prefix match on the series name).
 SAMPLED = (
     "vllm:draft_offload_lookup_",
@@ -43,7 +41,7 @@ SAMPLED = (
 
 
 def _counters() -> dict[str, float]:
-    from _bench_worker import snapshot_metrics
+    from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
 
     return {k: v for k, v in snapshot_metrics().items() if k.startswith(SAMPLED) and v}
 
@@ -88,8 +86,12 @@ class Worker:
 
     # ------------------------------------------------------------------ modes
     def pressure(self) -> None:
-        from _soak_load import PressurePlan, pressure_requests
-        from _stress_engine import StreamDriver, memory_sample, queue_streams
+        from vllm_draft_offload.bench.stress.engine import (
+            StreamDriver,
+            memory_sample,
+            queue_streams,
+        )
+        from vllm_draft_offload.bench.stress.load import PressurePlan, pressure_requests
 
         plan = PressurePlan(**self.job["plan"])
         requests = pressure_requests(plan, int(self.job["vocab"]))
@@ -103,8 +105,8 @@ class Worker:
         ]
 
     def soak(self) -> None:
-        from _soak_load import SoakLoad, SoakStreams
-        from _stress_engine import StreamDriver, memory_sample
+        from vllm_draft_offload.bench.stress.engine import StreamDriver, memory_sample
+        from vllm_draft_offload.bench.stress.load import SoakLoad, SoakStreams
 
         load = SoakLoad.from_dict(self.job["load"])
         streams = SoakStreams(load, int(self.job["vocab"]))

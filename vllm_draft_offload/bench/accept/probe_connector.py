@@ -1,10 +1,10 @@
-"""KV probe connector for the fixtures' KV-sensitivity check (no project code involved).
+"""KV probe connector for the fixtures' KV-sensitivity check (imports no connector code).
 
 Loaded by vLLM through ``kv_connector_module_path``::
 
     kv_transfer_config = {
         "kv_connector": "KVProbeConnector",
-        "kv_connector_module_path": "kv_probe_connector",   # scripts/ on PYTHONPATH
+        "kv_connector_module_path": "vllm_draft_offload.bench.accept.probe_connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"corrupt_draft": False, "report_path": "probe.json"},
     }
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 CORRUPT_ARG = "kv_probe_corrupt_draft"  # SamplingParams.extra_args key
 CONNECTOR_NAME = "KVProbeConnector"
-MODULE_NAME = "kv_probe_connector"
+MODULE_NAME = "vllm_draft_offload.bench.accept.probe_connector"
 
 
 @dataclass
@@ -228,7 +228,7 @@ class KVProbeConnector(KVConnectorBase_V1, SupportsHMA):
 def probe_transfer_config(
     corrupt_all: bool = False, report_path: str | None = None, mode: str = "zero"
 ) -> dict[str, Any]:
-    """The ``kv_transfer_config`` dict that loads this connector (scripts/ on PYTHONPATH)."""
+    """The ``kv_transfer_config`` dict that loads this connector (by its module path)."""
     extra: dict[str, Any] = {"corrupt_draft": corrupt_all, "corrupt_mode": mode}
     if report_path:
         extra["report_path"] = report_path

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Soak: the connector with a CPU tier and a storage tier under load while storage fails.
 
 One engine (`DraftOffloadConnector`, CPU tier + LMCache ``fs://`` or ``redis://`` tier)
@@ -10,10 +9,6 @@ full, corrupted objects). Then a no-connector engine runs the same load for
 requests twice (reference, and in reverse order as the numerics control). Every
 engine is a subprocess: a crash is a result.
 Writes ``OUT/soak.json``, ``OUT/soak.md`` and ``OUT/soak.png``; see docs/benchmark.md.
-
-    python scripts/soak.py --fixtures /root/fx --out /root/soak --minutes 10
-    python scripts/soak.py --fixtures /tmp/fx --out /tmp/soak --dry-run-cpu --seconds 20
-    python scripts/soak.py --report-only /root/soak/soak.json --out /tmp/rep
 """
 
 from __future__ import annotations
@@ -30,10 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
-
-from _bench_workloads import parse_drafters  # noqa: E402
-from _soak_faults import (
+from vllm_draft_offload.bench.stress.engine import dtype_bytes, kv_bytes_per_token
+from vllm_draft_offload.bench.stress.faults import (
     FAULTS,
     FaultInjector,
     FsBackend,
@@ -41,10 +34,8 @@ from _soak_faults import (
     RedisProcess,
     schedule,
     small_tmpfs,
-)  # noqa: E402
-from _soak_load import SoakLoad  # noqa: E402
-from _stress_engine import dtype_bytes, kv_bytes_per_token  # noqa: E402
-from _stress_jobs import (  # noqa: E402
+)
+from vllm_draft_offload.bench.stress.jobs import (
     EngineShape,
     build_kwargs,
     cpu_tier_bytes,
@@ -52,8 +43,10 @@ from _stress_jobs import (  # noqa: E402
     run_job,
     worker_env,
 )
-from _stress_report import soak_markdown, soak_plot, soak_summary  # noqa: E402
-from bench_spec_offload import read_model_limits  # noqa: E402
+from vllm_draft_offload.bench.stress.load import SoakLoad
+from vllm_draft_offload.bench.stress.report import soak_markdown, soak_plot, soak_summary
+from vllm_draft_offload.bench.workloads.run import read_model_limits
+from vllm_draft_offload.bench.workloads.specs import parse_drafters
 
 DRY_LOAD = SoakLoad(
     streams=8,
@@ -70,12 +63,22 @@ DRY_LOAD = SoakLoad(
     chunk_size=32,
 )
 
+EXAMPLES = """examples:
+  vllm-draft-offload soak --fixtures /root/fx --out /root/soak --minutes 10
+  vllm-draft-offload soak --fixtures /root/fx --out /root/soak-redis --minutes 10 --backend redis
+  vllm-draft-offload soak --fixtures /tmp/fx --out /tmp/soak --dry-run-cpu --seconds 20
+  vllm-draft-offload soak --report-only /root/soak/soak.json --out /tmp/rep
+"""
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="vllm-draft-offload soak",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--fixtures")
+    ap.add_argument("--fixtures", help="fixture dir from `vllm-draft-offload fixtures`")
     ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument("--drafter", default="eagle3", help="fixture name or METHOD:PATH")
     ap.add_argument("--out", type=Path, default=Path("soak-out"))
@@ -99,7 +102,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fault-period", type=float, help="seconds between faults (run / 10)")
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--dtype")
-    ap.add_argument("--compile", action="store_true", help="no --enforce-eager")
+    eager = ap.add_mutually_exclusive_group()
+    eager.add_argument(
+        "--enforce-eager",
+        dest="compile",
+        action="store_false",
+        help="eager engine, no CUDA graphs (the default here)",
+    )
+    eager.add_argument("--compile", action="store_true", help="compiled engine (slower start)")
     ap.add_argument("--engine-timeout", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -196,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     env = worker_env(dry, args.batch_invariant)
     data: dict[str, Any] = {
-        **run_header("soak", "soak.py", argv, dry, args.batch_invariant),
+        **run_header("soak", "vllm-draft-offload soak", argv, dry, args.batch_invariant),
         "backend": args.backend,
         "seconds": seconds,
         "load": load.to_dict(),

@@ -1,0 +1,1 @@
+"""Acceptance checks: restored vs fresh prefixes, the KV-sensitivity probe, tables."""

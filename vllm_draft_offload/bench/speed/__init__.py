@@ -1,0 +1,1 @@
+"""Speed at real KV sizes: restore TTFT, storage-tier fetches, raw disk baselines."""

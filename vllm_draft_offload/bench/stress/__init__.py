@@ -1,0 +1,1 @@
+"""Stress: the pressure run (working set > GPU cache) and the soak with storage faults."""
