@@ -28,6 +28,7 @@ if ! $PY -c "import vllm, sys; sys.exit(vllm.__version__ != '0.33.0')" 2>/dev/nu
   cp "$KERNELS"/*.so "$SP/vllm/"
   rm -rf "$KERNELS"
 fi
-# the project itself, with its test extras; its runtime deps are already satisfied above
+# the project itself (and its `vllm-draft-offload` command), with its test extras; its
+# runtime deps are already satisfied above
 $PIP install -q --no-deps -e .
-$PIP install -q pydantic pytest ruff matplotlib redis prometheus_client hypothesis
+$PIP install -q pydantic pytest ruff matplotlib redis prometheus_client hypothesis tqdm
