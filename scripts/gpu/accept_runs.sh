@@ -28,7 +28,7 @@ one_run() {
   local name=$1 method=$2 draft=$3 connector=$4 start extra rc
   if [ "$connector" = corrupt ]; then extra=(--corrupt-draft-kv); else extra=(--kv-transfer-config "${KV[$connector]}"); fi
   start=$(date +%s)
-  python3 scripts/accept_check.py --model "$F/target" --spec-method "$method" --draft "$F/$draft" \
+  python3 -m vllm_draft_offload.bench accept --fixtures "$F" --spec-method "$method" --draft "$draft" \
     "${extra[@]}" "${llm_kwargs[@]}" --enforce-eager --timeout "${ACCEPT_TIMEOUT:-300}" \
     --out "$OUT/accept_$name.json" > "$OUT/accept_$name.log" 2>&1
   rc=$?

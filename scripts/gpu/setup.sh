@@ -2,7 +2,9 @@
 # On the device machine: unpack the staged vLLM 0.33 bundle (once per machine)
 # and install this project with its vLLM plugin entry point.
 # Pieces are staged to /root/stage first, as ../shared/gpu/README.md describes.
-# Afterwards:  export PYTHONPATH=/root/proj:/root/site HF_HUB_OFFLINE=1
+# Afterwards:  export PYTHONPATH=/root/proj:/root/site PATH=/root/proj/bin:$PATH HF_HUB_OFFLINE=1
+# (pip puts the `vllm-draft-offload` command in /root/proj/bin; `python3 -m
+# vllm_draft_offload.bench` is the same command without PATH).
 set -euo pipefail
 if [ ! -d /root/site/vllm ]; then
   mkdir -p /root/wheels
@@ -12,3 +14,4 @@ fi
 rm -rf /root/proj
 PYTHONPATH=/root/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /root/proj .
 PYTHONPATH=/root/proj:/root/site python3 -c "import torch, vllm, lmcache, vllm_draft_offload; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpu', torch.cuda.get_device_name())"
+PYTHONPATH=/root/proj:/root/site /root/proj/bin/vllm-draft-offload --version
