@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PROG = "vllm-draft-offload"
+from vllm_draft_offload.bench.options import PROG
 
 
 @dataclass(frozen=True)

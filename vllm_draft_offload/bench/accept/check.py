@@ -37,6 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from vllm_draft_offload.bench import PACKAGE_PARENT
+from vllm_draft_offload.bench.options import command_parser
 
 EXAMPLES = """examples:
   # parity of vLLM's OffloadingConnector with an EAGLE head (fixtures from `fixtures`)
@@ -398,12 +399,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="vllm-draft-offload accept",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("accept", __doc__, EXAMPLES)
     ap.add_argument(
         "--fixtures",
         help="fixture dir from `vllm-draft-offload fixtures`: --model defaults to "

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_draft_offload.bench.options import command_parser
+
 EXAMPLES = """examples:
   vllm-draft-offload shared-storage --fixtures /root/fx --out $OUT/shared --enforce-eager
   vllm-draft-offload shared-storage --fixtures /root/fx --out $OUT/shared \\
@@ -171,12 +173,7 @@ def summarize(
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(
-        prog="vllm-draft-offload shared-storage",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("shared-storage", __doc__, EXAMPLES)
     ap.add_argument(
         "--fixtures", required=True, help="fixture dir from `vllm-draft-offload fixtures`"
     )

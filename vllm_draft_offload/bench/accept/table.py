@@ -7,13 +7,13 @@ restored/fresh acceptance per drafter and connector.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from vllm_draft_offload.bench.accept.check import AcceptCheckResult, Comparison
+from vllm_draft_offload.bench.options import command_parser
 
 Results = dict[tuple[str, str], AcceptCheckResult]  # (drafter, connector) -> result
 
@@ -167,12 +167,7 @@ EXAMPLES = """examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="vllm-draft-offload table",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("table", __doc__, EXAMPLES)
     ap.add_argument("dir", type=Path, help="directory with accept_<drafter>-<connector>.json")
     ap.add_argument("--out", type=Path, help="also write the markdown here")
     args = ap.parse_args(argv)

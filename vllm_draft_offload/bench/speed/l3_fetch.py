@@ -21,7 +21,6 @@ same kind: cold fetch / raw cold buffered read, warm fetch / raw warm read.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import (
@@ -105,12 +105,7 @@ EXAMPLES = """examples:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(
-        prog="vllm-draft-offload l3-speed",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("l3-speed", __doc__, EXAMPLES)
     ap.add_argument("--url", required=True, help="LMCache remote_url, e.g. fs:///tmp/l3-speed")
     ap.add_argument("--unit-mb", type=float, default=36.0)
     ap.add_argument("--units", type=int, default=16)

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 
@@ -319,12 +320,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="vllm-draft-offload restore-speed",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("restore-speed", __doc__, EXAMPLES)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=4)

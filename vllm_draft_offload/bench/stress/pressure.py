@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_draft_offload.bench.options import add_eager_or_compile, command_parser
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.stress.engine import dtype_bytes, kv_bytes_per_token
 from vllm_draft_offload.bench.stress.jobs import (
@@ -49,12 +50,7 @@ EXAMPLES = """examples:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="vllm-draft-offload pressure",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("pressure", __doc__, EXAMPLES)
     ap.add_argument("--fixtures", help="fixture dir from `vllm-draft-offload fixtures`")
     ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument("--drafters", default="eagle3,small-draft", help="fixture names or M:PATH")
@@ -73,14 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--l3-dir", type=Path, default=Path("/tmp/pressure-l3"))
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--dtype", help="engine dtype (auto; dry run float32)")
-    eager = ap.add_mutually_exclusive_group()
-    eager.add_argument(
-        "--enforce-eager",
-        dest="compile",
-        action="store_false",
-        help="eager engines, no CUDA graphs (the default here: faster starts)",
-    )
-    eager.add_argument("--compile", action="store_true", help="compiled engines (slower start)")
+    add_eager_or_compile(ap)
     ap.add_argument("--num-spec-tokens", type=int, default=3)
     ap.add_argument("--engine-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)

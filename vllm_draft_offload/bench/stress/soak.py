@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm_draft_offload.bench.options import add_eager_or_compile, command_parser
 from vllm_draft_offload.bench.stress.engine import dtype_bytes, kv_bytes_per_token
 from vllm_draft_offload.bench.stress.faults import (
     FAULTS,
@@ -72,12 +73,7 @@ EXAMPLES = """examples:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="vllm-draft-offload soak",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("soak", __doc__, EXAMPLES)
     ap.add_argument("--fixtures", help="fixture dir from `vllm-draft-offload fixtures`")
     ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument("--drafter", default="eagle3", help="fixture name or METHOD:PATH")
@@ -102,14 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fault-period", type=float, help="seconds between faults (run / 10)")
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--dtype")
-    eager = ap.add_mutually_exclusive_group()
-    eager.add_argument(
-        "--enforce-eager",
-        dest="compile",
-        action="store_false",
-        help="eager engine, no CUDA graphs (the default here)",
-    )
-    eager.add_argument("--compile", action="store_true", help="compiled engine (slower start)")
+    add_eager_or_compile(ap)
     ap.add_argument("--engine-timeout", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_draft_offload.bench import PACKAGE_PARENT
+from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.workloads.report import write_report
 from vllm_draft_offload.bench.workloads.specs import (
@@ -65,12 +66,7 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="vllm-draft-offload bench",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("bench", __doc__, EXAMPLES)
     ap.add_argument(
         "--out", type=Path, help="output directory (default bench-out, or the JSON's dir)"
     )

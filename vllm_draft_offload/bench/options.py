@@ -1,0 +1,32 @@
+"""The parsers of the toolkit's commands: one layout (usage line, examples) and the
+options that several commands share, spelled and explained the same everywhere."""
+
+from __future__ import annotations
+
+import argparse
+
+PROG = "vllm-draft-offload"
+
+
+def command_parser(command: str, doc: str | None, examples: str) -> argparse.ArgumentParser:
+    """The parser of ``vllm-draft-offload COMMAND``: the module's docstring on top, its
+    examples (a text starting ``examples:``) below the options."""
+    return argparse.ArgumentParser(
+        prog=f"{PROG} {command}",
+        description=doc,
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_eager_or_compile(parser: argparse.ArgumentParser) -> None:
+    """``--enforce-eager`` (the default of these commands) or ``--compile``, as
+    ``args.compile``: long load runs start engines eagerly unless told otherwise."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--enforce-eager",
+        dest="compile",
+        action="store_false",
+        help="engines without CUDA graphs (the default here: faster starts)",
+    )
+    group.add_argument("--compile", action="store_true", help="compiled engines (slower start)")
