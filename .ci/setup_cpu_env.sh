@@ -30,4 +30,4 @@ if ! $PY -c "import vllm, sys; sys.exit(vllm.__version__ != '0.33.0')" 2>/dev/nu
 fi
 # the project itself, with its test extras; its runtime deps are already satisfied above
 $PIP install -q --no-deps -e .
-$PIP install -q pydantic pytest ruff matplotlib redis prometheus_client hypothesis
+$PIP install -q pydantic pytest ruff matplotlib redis prometheus_client hypothesis xxhash

@@ -6,9 +6,10 @@
 
 Writes ``--units`` real target+draft units (the codec's format, ``--unit-mb`` each:
 36 MiB is one 256-token chunk of a Llama-3-8B shape plus a 4-layer drafter), then
-reads them back the way a restore does (fetch, decode and verify, copy into a host
-slot) from 1..N threads, and reports GB/s per thread count. This is the CPU side of
-an L3 hit; GPU time is not involved.
+reads them back the way a restore does (``unit_fetch.fetch_unit_into``, the worker's
+own path: read straight into a host slot, verifying each piece as it lands) from 1..N
+threads, and reports GB/s per thread count. This is the CPU side of an L3 hit; GPU
+time is not involved.
 
 * ``warm``: the units' files are in the page cache (a first pass puts them there).
 * ``cold`` (fs:// only): before every pass the units' files are evicted from the page
@@ -36,13 +37,9 @@ import numpy as np
 from _disk_baseline import evict, measure
 
 from vllm_draft_offload.l3_store import L3Store
-from vllm_draft_offload.unit_codec import (
-    ExpectedUnit,
-    LayerSpec,
-    decode_unit,
-    encode_unit,
-    make_header,
-)
+from vllm_draft_offload.unit_codec import LayerSpec, encode_unit, make_header
+from vllm_draft_offload.unit_fetch import fetch_unit_into
+from vllm_draft_offload.unit_verify import ExpectedUnit
 
 NUM_LAYERS = 36  # 32 target + 4 draft
 
@@ -79,12 +76,8 @@ def read_all(store: L3Store, units: int, expected: ExpectedUnit, threads: int) -
     slots = np.ones((units, slot_bytes), dtype=np.uint8)  # touched, like the host pool
 
     def fetch(i: int) -> None:
-        def into_slot(blob: memoryview) -> bool:
-            _, payload = decode_unit(blob, expected)
-            slots[i] = np.frombuffer(payload, dtype=np.uint8)
-            return True
-
-        if store.get_into(f"{i:032x}", into_slot) is None:
+        # The worker's own fetch path (WorkerL3._fetch): read, verify, into the slot.
+        if fetch_unit_into(store, f"{i:032x}", expected, memoryview(slots[i])) is None:
             raise RuntimeError(f"unit {i} missing")
 
     start = time.perf_counter()
