@@ -15,6 +15,10 @@ metadata is reported as corrupt, as a failed ``FSConnector.get`` of an existing 
 Reads are blocking and cannot be cancelled once in the kernel, so ``ObjectFile``
 checks the caller's deadline before each piece: a slow disk costs at most the timeout
 plus one piece, and nothing is written into the caller's buffer after the call returns.
+A read stuck inside one piece (a hung network mount) holds its thread, and the caller
+its buffer, until the kernel returns; LMCache's path held a thread of its executor
+instead and left a staging buffer behind. The request waiting on it stops waiting
+after the timeout either way.
 """
 
 from __future__ import annotations
