@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis_fixture import RedisServer, redis_server_binary
 from test_unit_codec import DEFECTS, _layers, _pack
 
 from vllm_draft_offload.l3_store import L3Error, L3Store
 from vllm_draft_offload.unit_codec import LayerSpec, UnitRejected, read_header
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
-from vllm_draft_offload.unit_verify import ExpectedUnit
+from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck
 
 KEY = "3f" * 16
 
@@ -103,6 +105,38 @@ def test_planted_defect_is_refused_with_the_codec_cause(store: L3Store, defect: 
     with pytest.raises(UnitRejected) as exc:
         fetch_unit_into(store, name, expected, dest)
     assert exc.value.cause == cause, exc.value
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), size=st.integers(1, 4096))
+def test_payload_check_is_the_payload_checksum_whatever_the_pieces(
+    data: st.DataObject, size: int
+) -> None:
+    """Any split into pieces verifies an intact payload, and no split hides a changed byte,
+    a missing piece or an extra byte."""
+    layers = [("t", False, random.Random(size).randbytes(size)), ("d", True, b"\x01")]
+    header, blob = _pack(layers)
+    payload = blob[len(blob) - header.payload_nbytes :]
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(payload) - 1), max_size=8)))
+    pieces = [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)], strict=True)]
+    check = PayloadCheck(header)
+    for piece in pieces:
+        check.update(piece)
+    check.finish()
+
+    at = data.draw(st.integers(0, len(payload) - 1))
+    damaged = bytearray(payload)
+    damaged[at] ^= 1 << data.draw(st.integers(0, 7))
+    for fed, cause in (
+        (bytes(damaged), "checksum_mismatch"),
+        (payload[:-1], "truncated"),
+        (payload + b"\0", "corrupt_header"),
+    ):
+        check = PayloadCheck(header)
+        check.update(fed)
+        with pytest.raises(UnitRejected) as exc:
+            check.finish()
+        assert exc.value.cause == cause
 
 
 @pytest.mark.parametrize("where", ["middle_piece", "last_byte"])

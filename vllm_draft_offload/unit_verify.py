@@ -113,9 +113,9 @@ class PayloadCheck:
 
     def finish(self) -> None:
         if self._fed != self._header.payload_nbytes:
-            raise UnitRejected(
-                "truncated", f"checked {self._fed} of {self._header.payload_nbytes} bytes"
-            )
+            # More bytes than the header names is damage to the framing, as in read_header.
+            cause = "truncated" if self._fed < self._header.payload_nbytes else "corrupt_header"
+            raise UnitRejected(cause, f"checked {self._fed} of {self._header.payload_nbytes} bytes")
         if self._hash.hexdigest() != self._header.payload_checksum:
             raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
 
