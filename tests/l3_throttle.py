@@ -2,11 +2,16 @@
 
 Every `exists`/`get` the L3Store sends to its connector first sleeps on the
 store's event loop, so concurrent calls overlap the way a remote backend's do.
+fs:// fetches read the object's file on the calling thread (`L3Store.read_file`),
+without the connector: each sleeps `get` there first, on its own thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm_draft_offload.l3_store import L3Store
@@ -19,6 +24,7 @@ class SlowConnector:
         # Reads sleeping at once (all on the store's loop thread: no lock needed).
         self.gets_in_flight = self.max_gets_in_flight = 0
         self.exists_in_flight = self.max_exists_in_flight = 0
+        self._lock = threading.Lock()  # read_file sleeps on the callers' threads
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -41,6 +47,17 @@ class SlowConnector:
             self.gets_in_flight -= 1
         return await self._inner.get(key)
 
+    def read_file(self, read: Callable[..., Any], key: str, consume: Any) -> Any:
+        with self._lock:
+            self.gets_in_flight += 1
+            self.max_gets_in_flight = max(self.max_gets_in_flight, self.gets_in_flight)
+        try:
+            time.sleep(self._delays.get("get", 0.0))
+        finally:
+            with self._lock:
+                self.gets_in_flight -= 1
+        return read(key, consume)
+
 
 def throttle(store: L3Store | None, **delays: float) -> SlowConnector:
     """Delay `store`'s connector calls, e.g. throttle(store, exists=0.05, get=0.1)."""
@@ -48,4 +65,6 @@ def throttle(store: L3Store | None, **delays: float) -> SlowConnector:
     assert store._conn is not None
     slow = SlowConnector(store._conn, delays)
     store._conn = slow  # type: ignore[assignment]
+    read = store.read_file
+    store.read_file = lambda key, consume: slow.read_file(read, key, consume)  # type: ignore[method-assign]
     return slow

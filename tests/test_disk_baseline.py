@@ -11,10 +11,12 @@ from vllm_draft_offload.bench.speed import disk_baseline as disk
 
 
 def test_measure_reports_every_pass_by_threads_and_removes_its_file(tmp_path: Path) -> None:
-    report = disk.measure(tmp_path, disk.BLOCK // 2, threads=(1, 3), drop_caches=False)
+    report = disk.measure(
+        tmp_path, disk.BLOCK // 2, threads=(1, 3), drop_caches=False, reps=2, into_memory=True
+    )
     assert report["bytes"] == disk.BLOCK  # at least one whole block
     assert report["write_GBps"] > 0
-    for kind in ("read_cold_GBps", "read_warm_GBps"):
+    for kind in ("read_cold_GBps", "read_warm_GBps", "read_warm_into_memory_GBps"):
         assert set(report[kind]) == {"1", "3"} and all(v > 0 for v in report[kind].values())
     if report["write_direct"]:
         assert set(report["read_direct_GBps"]) == {"1", "3"}
@@ -29,6 +31,7 @@ def test_read_pass_reads_every_byte_of_an_uneven_file(tmp_path: Path, threads: i
     path.write_bytes(os.urandom(3 * block + 4096))  # ranges do not split evenly
     assert disk.read_pass(path, threads, block=block) > 0
     assert disk.read_pass(path, threads, direct=True, block=block) > 0
+    assert disk.read_pass(path, threads, block=block, into_memory=True) > 0
 
 
 def test_write_pass_writes_whole_blocks_and_syncs(tmp_path: Path) -> None:

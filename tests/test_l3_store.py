@@ -24,7 +24,8 @@ from redis_fixture import RedisServer, free_port, redis_server_binary, wait_for_
 
 from vllm_draft_offload.l3_backends import L3Settings, load_lmcache_config, make_key
 from vllm_draft_offload.l3_store import L3Error, L3Store
-from vllm_draft_offload.unit_codec import ExpectedUnit, UnitRejected, decode_unit, pack_unit
+from vllm_draft_offload.unit_codec import UnitRejected, pack_unit
+from vllm_draft_offload.unit_verify import ExpectedUnit, decode_unit
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0

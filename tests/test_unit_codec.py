@@ -7,7 +7,6 @@ import random
 import struct
 from collections.abc import Callable
 
-import blake3
 import pytest
 
 from vllm_draft_offload.unit_codec import (
@@ -15,13 +14,12 @@ from vllm_draft_offload.unit_codec import (
     PAYLOAD_ALIGN,
     PREFIX_SIZE,
     REJECT_CAUSES,
-    ExpectedUnit,
     LayerSpec,
     UnitHeader,
     UnitRejected,
-    decode_unit,
     encode_unit,
     encode_unit_into,
+    header_digest,
     layer_view,
     make_header,
     pack_unit,
@@ -29,6 +27,7 @@ from vllm_draft_offload.unit_codec import (
     unit_frame,
     verify_layer,
 )
+from vllm_draft_offload.unit_verify import ExpectedUnit, decode_unit
 
 KEY = "3f" * 16
 FP = "llama-3-8b|tp1|bf16|blk16|kv8x128"
@@ -184,6 +183,11 @@ DEFECTS: dict[str, tuple[str, Defect]] = {
         "bad_magic_or_version",
         lambda L, h, b: (b[:8] + struct.pack("<H", FORMAT_VERSION + 1) + b[10:], _expected(L)),
     ),
+    # Format 1 (blake3 checksums) is refused, so its objects are recomputed, never misread.
+    "format_1_object": (
+        "bad_magic_or_version",
+        lambda L, h, b: (b[:8] + struct.pack("<H", 1) + b[10:], _expected(L)),
+    ),
     "draft_layer_byte_flipped": (
         "checksum_mismatch",
         lambda L, h, b: (_flip(b, _first_draft_layer_pos(h, b)), _expected(L)),
@@ -262,7 +266,7 @@ def test_header_with_overlapping_layers_is_corrupt(
     doc["layers"][1][2] = 0  # layer 1 now overlaps layer 0
     raw = json.dumps(doc, separators=(",", ":")).encode()
     raw += b" " * ((end - start) - len(raw))
-    prefix = blob[:16] + blake3.blake3(raw).digest(length=16)
+    prefix = blob[:16] + header_digest(raw)
     with pytest.raises(UnitRejected) as exc:
         decode_unit(prefix + raw + blob[end:], _expected(layers))
     assert exc.value.cause == "corrupt_header"

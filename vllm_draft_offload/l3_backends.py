@@ -340,7 +340,7 @@ def create_connector(
         settings.url, loop, backend, cfg, metadata, plugin_name=settings.plugin_name
     )
     conn.post_init()
-    inner = _inner(conn)
+    inner = inner_connector(conn)
     if isinstance(inner, FSConnector):
         unique_fs_temp_names(inner)
     if isinstance(inner, RedisConnector):
@@ -354,13 +354,13 @@ def create_connector(
     return conn
 
 
-def _inner(conn: RemoteConnector) -> RemoteConnector:
+def inner_connector(conn: RemoteConnector) -> RemoteConnector:
     get_inner = getattr(conn, "getWrappedConnector", None)
     return get_inner() if callable(get_inner) else conn
 
 
 async def close_connector(conn: RemoteConnector) -> None:
-    inner = _inner(conn)
+    inner = inner_connector(conn)
     pq = getattr(inner, "pq_executor", None)
     redis_conn = getattr(inner, "connection", None)
     if pq is not None and redis_conn is not None and hasattr(redis_conn, "aclose"):

@@ -28,6 +28,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
 
 from vllm_draft_offload.l3_backends import (
     MAX_OBJECT_BYTES,
@@ -42,10 +43,12 @@ from vllm_draft_offload.l3_backends import (
     close_connector,
     config_from_extra_config,
     create_connector,
+    inner_connector,
     load_lmcache_config,
     make_key,
     make_metadata,
 )
+from vllm_draft_offload.l3_fs_reads import DeadlineExceeded, ObjectFile, open_object_file
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +292,45 @@ class L3Store:
             return consume(memoryview(obj.byte_array).cast("B"))
         finally:
             obj.ref_count_down()
+
+    @property
+    def reads_files(self) -> bool:
+        """``read_file`` works: fs://, whose objects are files this process can open."""
+        return self.settings.scheme == "fs"
+
+    def read_file(self, key: str, consume: Callable[[ObjectFile], T]) -> T | None:
+        """``consume(the object's file)`` on the calling thread; None when the key is absent.
+
+        fs:// only (``reads_files``): no staging buffer and no event loop, so ``consume``
+        can read the object straight into its destination, in pieces it verifies as they
+        land. The same timeout and circuit breaker apply as to ``get``: each
+        ``ObjectFile.readinto`` checks the deadline first, so ``consume`` has stopped
+        writing when this returns or raises.
+        """
+        lkey = self._key(key, "get")
+        deadline = time.monotonic() + self.settings.timeout_s
+        conn = self._acquire("get", key, deadline)
+        fs = inner_connector(conn)
+        if not isinstance(fs, FSConnector):
+            raise L3Error("unsupported", f"{type(fs).__name__} has no files", op="get", key=key)
+        try:
+            file = open_object_file(fs, lkey, deadline)
+            if file is None:
+                result = None
+            else:
+                with file:
+                    result = consume(file)
+        except DeadlineExceeded as e:
+            msg = f"no answer within {self.settings.timeout_s}s ({e})"
+            raise self._fail("timeout", msg, "get", key, conn) from e
+        except CorruptObject as e:
+            raise self._fail("corrupt", str(e), "get", key, conn) from e
+        except OSError as e:
+            raise self._fail("io", f"{type(e).__name__}: {e}", "get", key, conn) from e
+        with self._state:
+            self._healthy = True
+            self._retry_at = 0.0
+        return result
 
     def contains(self, key: str) -> bool:
         return bool(

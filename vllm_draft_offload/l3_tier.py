@@ -21,7 +21,6 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from vllm_draft_offload.config import L3Config
@@ -30,14 +29,13 @@ from vllm_draft_offload.l3_store import L3Error, L3Store
 from vllm_draft_offload.metadata import L3WriteOrder
 from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import (
-    ExpectedUnit,
     LayerSpec,
-    UnitHeader,
     UnitRejected,
-    decode_unit,
     encode_unit_into,
     unit_frame,
 )
+from vllm_draft_offload.unit_fetch import fetch_unit_into
+from vllm_draft_offload.unit_verify import ExpectedUnit
 
 logger = logging.getLogger(__name__)
 
@@ -317,13 +315,10 @@ class WorkerL3:
             num_tokens=self.layout.chunk_size,
         )
 
-        def into_slot(blob: memoryview) -> UnitHeader:
-            header, payload = decode_unit(blob, expected)
-            self.pool.unit_view(slot).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-            return header
-
         try:
-            header = self.store.get_into(object_key(chunk_key, self.rank), into_slot)
+            # Straight into the slot: it is not published before the result says ok.
+            dest = memoryview(self.pool.unit_view(slot).numpy())
+            header = fetch_unit_into(self.store, object_key(chunk_key, self.rank), expected, dest)
             if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))
                 return

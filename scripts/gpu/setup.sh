@@ -11,7 +11,13 @@ if [ ! -d /root/site/vllm ]; then
   cat /root/stage/b?? | tar -xf - -C /root/wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/wheels/*.whl
 fi
+# xxhash (the unit checksums) is not in bundles built before it was a dependency: carry its
+# cp312 wheel into /root/wheels first (scripts/gpu/README.md says how).
+if ! PYTHONPATH=/root/site python3 -c "import xxhash" 2>/dev/null; then
+  ls /root/wheels/xxhash-*.whl >/dev/null 2>&1 || { echo "no xxhash wheel in /root/wheels" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/wheels/xxhash-*.whl
+fi
 rm -rf /root/proj
 PYTHONPATH=/root/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /root/proj .
-PYTHONPATH=/root/proj:/root/site python3 -c "import torch, vllm, lmcache, vllm_draft_offload; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpu', torch.cuda.get_device_name())"
+PYTHONPATH=/root/proj:/root/site python3 -c "import torch, vllm, lmcache, vllm_draft_offload.unit_codec; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpu', torch.cuda.get_device_name())"
 PYTHONPATH=/root/proj:/root/site /root/proj/bin/vllm-draft-offload --version

@@ -12,11 +12,17 @@ directory:
   it evicts clean pages of that file only). This is what a cold LMCache ``fs://`` read
   sees, since its reads are buffered.
 * ``read_warm``: a buffered read of the file while its pages are cached.
+* ``read_warm_into_memory`` (``into_memory=True``): the same warm read, but each thread's
+  range lands in a buffer of its own as large as the range (touched beforehand, like the
+  host pool's slots), instead of one 8 MiB buffer read over and over. ``dd`` and ``fio``
+  reuse one buffer, which stays in the CPU cache, so ``read_warm`` never pays for writing
+  the bytes to memory; a fetch must, since a unit has to land in its host slot.
 
 Reads can run on several threads, each reading its own contiguous range with ``preadv``,
 which is how ``fio --numjobs`` loads a device; an L3 fetch on N threads is compared with
 the raw read on N threads. Buffers are anonymous ``mmap``s, page aligned, as O_DIRECT
-needs.
+needs. With ``reps`` > 1 every read figure is the best of that many passes, as the
+benchmarks' own figures are.
 """
 
 from __future__ import annotations
@@ -103,32 +109,65 @@ def evict(paths: Iterable[Path], drop_caches: bool = False) -> str:
     return "fadvise_dontneed"
 
 
-def _read_range(path: Path, offset: int, length: int, block: int, direct: bool) -> int:
+def _read_range(
+    path: Path, offset: int, length: int, block: int, direct: bool, dest: mmap.mmap | None
+) -> int:
+    """Read ``length`` bytes into one reused block buffer, or along ``dest``."""
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags)
-    buf = _aligned(block)
+    own = _aligned(block) if dest is None else None
     done = 0
     try:
-        while done < length:
-            n = os.preadv(fd, [memoryview(buf)[: min(block, length - done)]], offset + done)
-            if n <= 0:
-                break
-            done += n
+        with memoryview(dest if own is None else own) as buf:
+            while done < length:
+                at = 0 if own is not None else done
+                n = os.preadv(fd, [buf[at : at + min(block, length - done)]], offset + done)
+                if n <= 0:
+                    break
+                done += n
     finally:
         os.close(fd)
-        buf.close()
+        if own is not None:
+            own.close()
     return done
 
 
-def read_pass(path: Path, threads: int = 1, direct: bool = False, block: int = BLOCK) -> float:
-    """GB/s of reading the whole file, split in ``threads`` block-aligned ranges."""
+def _touched(nbytes: int) -> mmap.mmap:
+    """A destination whose pages exist already, as a host pool's slots do."""
+    buf = mmap.mmap(-1, nbytes)
+    page = mmap.PAGESIZE
+    for pos in range(0, nbytes, page):
+        buf[pos] = 1
+    return buf
+
+
+def read_pass(
+    path: Path,
+    threads: int = 1,
+    direct: bool = False,
+    block: int = BLOCK,
+    into_memory: bool = False,
+) -> float:
+    """GB/s of reading the whole file, split in ``threads`` block-aligned ranges.
+
+    ``into_memory``: each range lands in its own touched buffer of the range's size."""
     size = path.stat().st_size
     per = -(-size // threads // block) * block
     ranges = [(i * per, min(per, size - i * per)) for i in range(threads) if i * per < size]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(len(ranges)) as pool:
-        got = sum(pool.map(lambda r: _read_range(path, r[0], r[1], block, direct), ranges))
-    seconds = time.perf_counter() - start
+    dests = [_touched(length) if into_memory else None for _, length in ranges]
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(ranges)) as pool:
+            got = sum(
+                pool.map(
+                    lambda r, d: _read_range(path, r[0], r[1], block, direct, d), ranges, dests
+                )
+            )
+        seconds = time.perf_counter() - start
+    finally:
+        for dest in dests:
+            if dest is not None:
+                dest.close()
     if got != size:
         raise RuntimeError(f"read {got} of {size} bytes of {path}")
     return size / seconds / 1e9
@@ -140,8 +179,11 @@ def measure(
     threads: Iterable[int] = (1,),
     drop_caches: bool = False,
     keep: bool = False,
+    reps: int = 1,
+    into_memory: bool = False,
 ) -> dict[str, Any]:
-    """Every raw pass on one file in ``directory``; reads by thread count."""
+    """Every raw pass on one file in ``directory``; reads by thread count, each the best
+    of ``reps`` passes; ``into_memory`` adds ``read_warm_into_memory_GBps``."""
     write = write_pass(directory, total_bytes)
     path = Path(write["path"])
     report: dict[str, Any] = {
@@ -153,14 +195,27 @@ def measure(
         "read_cold_GBps": {},
         "read_warm_GBps": {},
     }
+    if into_memory:
+        report["read_warm_into_memory_GBps"] = {}
+
+    def cold(n: int) -> float:
+        report["cold_method"] = evict([path], drop_caches)
+        return read_pass(path, n)
+
     try:
         for n in threads:
+            t = str(n)
             if write["direct"]:
-                report["read_direct_GBps"][str(n)] = read_pass(path, n, direct=True)
-            report["cold_method"] = evict([path], drop_caches)
-            report["read_cold_GBps"][str(n)] = read_pass(path, n)
+                report["read_direct_GBps"][t] = max(
+                    read_pass(path, n, direct=True) for _ in range(reps)
+                )
+            report["read_cold_GBps"][t] = max(cold(n) for _ in range(reps))
             read_pass(path, n)  # the pages are cached now
-            report["read_warm_GBps"][str(n)] = read_pass(path, n)
+            report["read_warm_GBps"][t] = max(read_pass(path, n) for _ in range(reps))
+            if into_memory:
+                report["read_warm_into_memory_GBps"][t] = max(
+                    read_pass(path, n, into_memory=True) for _ in range(reps)
+                )
     finally:
         if not keep:
             path.unlink(missing_ok=True)

@@ -5,9 +5,10 @@
 
 Writes ``--units`` real target+draft units (the codec's format, ``--unit-mb`` each:
 36 MiB is one 256-token chunk of a Llama-3-8B shape plus a 4-layer drafter), then
-reads them back the way a restore does (fetch, decode and verify, copy into a host
-slot) from 1..N threads, and reports GB/s per thread count. This is the CPU side of
-an L3 hit; GPU time is not involved.
+reads them back the way a restore does (``unit_fetch.fetch_unit_into``, the worker's
+own path: read straight into a host slot, verifying each piece as it lands) from 1..N
+threads, and reports GB/s per thread count. This is the CPU side of an L3 hit; GPU
+time is not involved.
 
 * ``warm``: the units' files are in the page cache (a first pass puts them there).
 * ``cold`` (fs:// only): before every pass the units' files are evicted from the page
@@ -15,8 +16,12 @@ an L3 hit; GPU time is not involved.
 
 For fs://, the same run measures the directory's raw bandwidth with ``disk_baseline``
 (an O_DIRECT write with fsync; O_DIRECT, cold buffered and warm buffered reads, on the
-same thread counts) and reports each fetch figure as a fraction of the raw read of the
-same kind: cold fetch / raw cold buffered read, warm fetch / raw warm read.
+same thread counts, each the best of ``--reps`` passes like the fetch figures) and
+reports each fetch figure as a fraction of the raw read of the same kind: cold fetch /
+raw cold buffered read, warm fetch / raw warm read (``dd``-style, into one reused
+buffer that stays in the CPU cache), and ``warm_into_memory``: warm fetch / raw warm
+read into buffers as large as the data, which is the least a fetch must do (its
+bytes have to land in host memory).
 """
 
 from __future__ import annotations
@@ -35,13 +40,9 @@ import numpy as np
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 from vllm_draft_offload.l3_store import L3Store
-from vllm_draft_offload.unit_codec import (
-    ExpectedUnit,
-    LayerSpec,
-    decode_unit,
-    encode_unit,
-    make_header,
-)
+from vllm_draft_offload.unit_codec import LayerSpec, encode_unit, make_header
+from vllm_draft_offload.unit_fetch import fetch_unit_into
+from vllm_draft_offload.unit_verify import ExpectedUnit
 
 NUM_LAYERS = 36  # 32 target + 4 draft
 
@@ -78,18 +79,18 @@ def read_all(store: L3Store, units: int, expected: ExpectedUnit, threads: int) -
     slots = np.ones((units, slot_bytes), dtype=np.uint8)  # touched, like the host pool
 
     def fetch(i: int) -> None:
-        def into_slot(blob: memoryview) -> bool:
-            _, payload = decode_unit(blob, expected)
-            slots[i] = np.frombuffer(payload, dtype=np.uint8)
-            return True
-
-        if store.get_into(f"{i:032x}", into_slot) is None:
+        # The worker's own fetch path (WorkerL3._fetch): read, verify, into the slot.
+        if fetch_unit_into(store, f"{i:032x}", expected, memoryview(slots[i])) is None:
             raise RuntimeError(f"unit {i} missing")
 
     start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(fetch, range(units)))
     return time.perf_counter() - start
+
+
+def _fmt(by_threads: dict[str, float]) -> str:
+    return " ".join(f"{t}:{v:.2f}" for t, v in by_threads.items()) or "-"
 
 
 def fs_directory(url: str) -> Path | None:
@@ -165,19 +166,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if directory is not None and not args.no_raw:
         # Same directory, same amount of data, same thread counts.
-        raw = measure(directory, args.units * unit_bytes, threads, args.drop_caches)
+        raw = measure(
+            directory,
+            args.units * unit_bytes,
+            threads,
+            args.drop_caches,
+            reps=args.reps,
+            into_memory="warm" in modes,
+        )
         report["raw"] = raw
-        kinds = {"cold": "read_cold_GBps", "warm": "read_warm_GBps"}
+        kinds = {  # ratio name: (fetch mode, raw field)
+            "cold": ("cold", "read_cold_GBps"),
+            "warm": ("warm", "read_warm_GBps"),
+            "warm_into_memory": ("warm", "read_warm_into_memory_GBps"),
+        }
         report["fetch_vs_raw"] = {
-            mode: {t: gbps / raw[kinds[mode]][t] for t, gbps in fetch[mode].items()}
-            for mode in modes
+            kind: {t: gbps / raw[field][t] for t, gbps in fetch[mode].items()}
+            for kind, (mode, field) in kinds.items()
+            if mode in modes
         }
         print(
             f"raw: write {raw['write_GBps']:.2f} GB/s (O_DIRECT={raw['write_direct']}), "
-            f"read direct {raw['read_direct_GBps']}, cold {raw['read_cold_GBps']}, "
-            f"warm {raw['read_warm_GBps']}",
+            f"read direct {_fmt(raw['read_direct_GBps'])}, cold {_fmt(raw['read_cold_GBps'])}, "
+            f"warm {_fmt(raw['read_warm_GBps'])}, "
+            f"warm into memory {_fmt(raw.get('read_warm_into_memory_GBps', {}))}",
             flush=True,
         )
+        for kind, ratios in report["fetch_vs_raw"].items():
+            print(f"fetch/raw {kind}: {_fmt(ratios)}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

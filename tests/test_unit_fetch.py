@@ -1,0 +1,222 @@
+"""fetch_unit_into: a stored unit lands in its destination bit-exact, on fs:// (read straight
+from the object's file) and on Redis (LMCache's buffer, copied). Every defect the codec
+knows is refused with the codec's cause on both paths, including damage in a piece that was
+already copied into the destination, and damaged fs:// files are storage errors, not hits.
+Real backends throughout: an fs directory and redis-server.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis_fixture import RedisServer, redis_server_binary
+from test_unit_codec import DEFECTS, _layers, _pack
+
+from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.unit_codec import LayerSpec, UnitRejected, read_header
+from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
+from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck
+
+KEY = "3f" * 16
+
+
+def _open(url: str, timeout_s: float = 2.0) -> L3Store:
+    extra = {"draft_offload.l3_retry_interval_s": 0.2, "draft_offload.l3_staging_mb": 64}
+    return L3Store.from_dict({"remote_url": url, "extra_config": extra}, timeout_s=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def fs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fetch") / "l3"
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory, fs_dir: Path) -> Iterator[dict[str, L3Store]]:
+    out = {"fs": _open(f"fs://{fs_dir}")}
+    server = None
+    if redis_server_binary() is not None:
+        server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+        out["redis"] = _open(server.url)
+    try:
+        yield out
+    finally:
+        for store in out.values():
+            store.close()
+        if server is not None:
+            server.close()
+
+
+@pytest.fixture(params=["fs", "redis"])
+def store(request: pytest.FixtureRequest, stores: dict[str, L3Store]) -> L3Store:
+    if request.param not in stores:
+        pytest.skip("redis-server not installed")
+    return stores[request.param]
+
+
+def _big_unit(rng: random.Random) -> tuple[bytes, bytes, ExpectedUnit]:
+    """A unit of several pieces: 3 target layers of 1 MiB and 2 small draft layers."""
+    layers = [(f"t{i}", False, rng.randbytes(1 << 20)) for i in range(3)]
+    layers += [(f"d{i}", True, rng.randbytes(96 << 10)) for i in range(2)]
+    header, blob = _pack(layers, key=KEY)
+    assert header.payload_nbytes > 3 * PIECE_BYTES
+    expected = ExpectedUnit(
+        key=KEY,
+        geometry_fingerprint=header.geometry_fingerprint,
+        drafter_id=header.drafter_id,
+        layers=tuple(LayerSpec(n, d, len(b)) for n, d, b in layers),
+        num_tokens=header.num_tokens,
+    )
+    return blob, b"".join(b for _, _, b in layers), expected
+
+
+def _name(rng: random.Random) -> str:
+    return rng.randbytes(16).hex()
+
+
+def test_fetch_lands_the_payload_bit_exact(store: L3Store) -> None:
+    rng = random.Random(1)
+    blob, payload, expected = _big_unit(rng)
+    name = _name(rng)
+    store.put(name, blob)
+    dest = bytearray(b"\xaa" * len(payload))
+    header = fetch_unit_into(store, name, expected, memoryview(dest))
+    assert header == read_header(blob)[0]
+    assert dest == payload
+    assert fetch_unit_into(store, _name(rng), expected, memoryview(dest)) is None
+    assert store.staging_in_use() == 0
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
+def test_planted_defect_is_refused_with_the_codec_cause(store: L3Store, defect: str) -> None:
+    layers = _layers(random.Random(7))
+    header, blob = _pack(layers)
+    cause, plant = DEFECTS[defect]
+    bad_blob, expected = plant(layers, header, blob)
+    name = _name(random.Random(defect))
+    store.put(name, bad_blob)
+    dest = memoryview(bytearray(sum(s.nbytes for s in expected.layers)))
+    with pytest.raises(UnitRejected) as exc:
+        fetch_unit_into(store, name, expected, dest)
+    assert exc.value.cause == cause, exc.value
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), size=st.integers(1, 4096))
+def test_payload_check_is_the_payload_checksum_whatever_the_pieces(
+    data: st.DataObject, size: int
+) -> None:
+    """Any split into pieces verifies an intact payload, and no split hides a changed byte,
+    a missing piece or an extra byte."""
+    layers = [("t", False, random.Random(size).randbytes(size)), ("d", True, b"\x01")]
+    header, blob = _pack(layers)
+    payload = blob[len(blob) - header.payload_nbytes :]
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(payload) - 1), max_size=8)))
+    pieces = [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)], strict=True)]
+    check = PayloadCheck(header)
+    for piece in pieces:
+        check.update(piece)
+    check.finish()
+
+    at = data.draw(st.integers(0, len(payload) - 1))
+    damaged = bytearray(payload)
+    damaged[at] ^= 1 << data.draw(st.integers(0, 7))
+    for fed, cause in (
+        (bytes(damaged), "checksum_mismatch"),
+        (payload[:-1], "truncated"),
+        (payload + b"\0", "corrupt_header"),
+    ):
+        check = PayloadCheck(header)
+        check.update(fed)
+        with pytest.raises(UnitRejected) as exc:
+            check.finish()
+        assert exc.value.cause == cause
+
+
+@pytest.mark.parametrize("where", ["middle_piece", "last_byte"])
+def test_byte_flipped_in_a_copied_piece_is_refused(store: L3Store, where: str) -> None:
+    """The damaged piece has already landed when its hash is checked: still refused."""
+    rng = random.Random(2)
+    blob, payload, expected = _big_unit(rng)
+    offset = 2 * PIECE_BYTES + PIECE_BYTES // 2 if where == "middle_piece" else len(payload) - 1
+    bad = bytearray(blob)
+    bad[len(blob) - len(payload) + offset] ^= 0x10
+    name = _name(rng)
+    store.put(name, bytes(bad))
+    with pytest.raises(UnitRejected) as exc:
+        fetch_unit_into(store, name, expected, memoryview(bytearray(len(payload))))
+    assert exc.value.cause == "checksum_mismatch"
+
+
+def _fs_file(stores: dict[str, L3Store], fs_dir: Path, blob: bytes, name: str) -> Path:
+    stores["fs"].put(name, blob)
+    (path,) = fs_dir.glob(f"*@1{name}@*.data")  # LMCache's name: <ns>@1@0@1<hex>@uint8
+    return path
+
+
+@pytest.mark.parametrize("damage", ["cut_in_payload", "cut_in_metadata", "grown"])
+def test_fs_file_damaged_on_disk_is_a_corrupt_object(
+    stores: dict[str, L3Store], fs_dir: Path, damage: str
+) -> None:
+    """The file disagrees with LMCache's own length prefix: a storage error, as a failed
+    FSConnector.get of an existing key is, and the tier stays up."""
+    rng = random.Random(damage)
+    blob, payload, expected = _big_unit(rng)
+    name = _name(rng)
+    path = _fs_file(stores, fs_dir, blob, name)
+    if damage == "grown":
+        with path.open("ab") as f:
+            f.write(b"\0")
+    else:
+        os.truncate(path, 10 if damage == "cut_in_metadata" else path.stat().st_size // 2)
+    with pytest.raises(L3Error) as exc:
+        fetch_unit_into(stores["fs"], name, expected, memoryview(bytearray(len(payload))))
+    assert exc.value.kind == "corrupt"
+    assert stores["fs"].healthy()
+
+
+def test_fs_file_cut_while_being_read_is_a_corrupt_object(
+    stores: dict[str, L3Store], fs_dir: Path
+) -> None:
+    rng = random.Random(3)
+    blob, _, _ = _big_unit(rng)
+    name = _name(rng)
+    path = _fs_file(stores, fs_dir, blob, name)
+
+    def cut_then_read(file) -> None:  # type: ignore[no-untyped-def]
+        os.truncate(path, path.stat().st_size - PIECE_BYTES)
+        file.readinto(0, memoryview(bytearray(file.nbytes)))
+
+    with pytest.raises(L3Error) as exc:
+        stores["fs"].read_file(name, cut_then_read)
+    assert exc.value.kind == "corrupt"
+
+
+def test_fs_read_past_its_deadline_stops_and_trips_the_breaker(tmp_path: Path) -> None:
+    """No piece is read once the timeout has passed, so nothing lands in the caller's
+    buffer after the call returned; a timeout marks the backend down like any other."""
+    with _open(f"fs://{tmp_path / 'l3'}", timeout_s=0.3) as store:
+        rng = random.Random(4)
+        blob, payload, expected = _big_unit(rng)
+        name = _name(rng)
+        store.put(name, blob)
+        dest = bytearray(len(payload))
+
+        def slow(file) -> None:  # type: ignore[no-untyped-def]
+            time.sleep(0.4)
+            file.readinto(0, memoryview(dest)[:PIECE_BYTES])
+
+        with pytest.raises(L3Error) as exc:
+            store.read_file(name, slow)
+        assert exc.value.kind == "timeout"
+        assert dest == bytes(len(payload))
+        assert not store.healthy()
+        time.sleep(0.25)  # the retry interval: the next call probes and recovers
+        assert fetch_unit_into(store, name, expected, memoryview(dest)) is not None
+        assert dest == payload and store.healthy()

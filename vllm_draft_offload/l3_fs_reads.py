@@ -1,0 +1,109 @@
+"""Reading an LMCache ``fs://`` object straight into a caller's buffer, on the calling thread.
+
+``FSConnector.get`` reads a whole object into a buffer it allocates from the staging
+pool, and it cannot read into one of ours. A fetch then needs a second full copy
+(staging buffer to host slot) and a separate hashing pass over memory, which held warm
+fetches to about a third of a raw page-cache read. Here the object's file, found by the
+connector's own path rule (``_get_file_path``: base paths, file name), is opened and
+read with ``preadv`` wherever the caller says, in pieces it can verify while they are
+still in the CPU cache.
+
+The file is what ``FSConnector.put`` wrote: LMCache's ``RemoteMetadata`` (the object's
+length, shape and dtype), then the object's bytes. A file whose size disagrees with its
+metadata is reported as corrupt, as a failed ``FSConnector.get`` of an existing key is.
+
+Reads are blocking and cannot be cancelled once in the kernel, so ``ObjectFile``
+checks the caller's deadline before each piece: a slow disk costs at most the timeout
+plus one piece, and nothing is written into the caller's buffer after the call returns.
+A read stuck inside one piece (a hung network mount) holds its thread, and the caller
+its buffer, until the kernel returns; LMCache's path held a thread of its executor
+instead and left a staging buffer behind. The request waiting on it stops waiting
+after the timeout either way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Final
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
+
+from vllm_draft_offload.l3_backends import CorruptObject
+
+# A file read this far ahead of the reader tells the kernel that the access is
+# sequential (a larger readahead window for cold files; no cost when cached).
+_SEQUENTIAL: Final = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
+
+
+class DeadlineExceeded(TimeoutError):
+    """The caller's time ran out between two pieces of a read."""
+
+
+class ObjectFile:
+    """One stored object's bytes in an open file: ``nbytes`` bytes from ``start``."""
+
+    def __init__(self, fd: int, start: int, nbytes: int, deadline: float) -> None:
+        self.fd = fd
+        self.start = start
+        self.nbytes = nbytes
+        self.deadline = deadline
+
+    def readinto(self, pos: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the object's bytes from ``pos``; a short file is corrupt."""
+        if time.monotonic() > self.deadline:
+            raise DeadlineExceeded(f"deadline passed at object byte {pos}")
+        if pos < 0 or pos + buf.nbytes > self.nbytes:
+            raise ValueError(f"[{pos}, {pos + buf.nbytes}) is outside the object")
+        done = 0
+        while done < buf.nbytes:
+            n = os.preadv(self.fd, [buf[done:]], self.start + pos + done)
+            if n <= 0:
+                # The file shrank after it was opened (truncated in place).
+                raise CorruptObject(f"file ended at object byte {pos + done} of {self.nbytes}")
+            done += n
+
+    def read(self, pos: int, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
+        self.readinto(pos, memoryview(out))
+        return bytes(out)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> ObjectFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_object_file(conn: FSConnector, key: CacheEngineKey, deadline: float) -> ObjectFile | None:
+    """The object of ``key``, or None when its file does not exist."""
+    path = conn._get_file_path(key)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        meta_bytes = conn.remote_metadata_bytes
+        raw = os.pread(fd, meta_bytes, 0)
+        size = os.fstat(fd).st_size
+        if len(raw) < meta_bytes:
+            raise CorruptObject(f"{path.name}: {size} bytes, shorter than LMCache's metadata")
+        try:
+            length = RemoteMetadata.deserialize(raw).length
+        except (ValueError, KeyError) as e:  # an unknown format or dtype code
+            raise CorruptObject(f"{path.name}: unreadable LMCache metadata ({e})") from e
+        if length <= 0 or size != meta_bytes + length:
+            raise CorruptObject(
+                f"{path.name}: {size - meta_bytes} bytes after the metadata, which says {length}"
+            )
+        if _SEQUENTIAL is not None:
+            os.posix_fadvise(fd, meta_bytes, length, _SEQUENTIAL)
+        return ObjectFile(fd, meta_bytes, length, deadline)
+    except BaseException:
+        os.close(fd)
+        raise

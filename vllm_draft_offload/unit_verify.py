@@ -1,0 +1,142 @@
+"""Does a stored unit match what the reader expects, and is its payload intact?
+
+The identity checks (key, geometry, drafter, successor tokens, layer table) need only the
+header, so a unit from another deployment costs nothing to reject; the payload checksum
+comes last. ``PayloadCheck`` takes the payload piece by piece, so a reader can verify each
+piece right after it landed in its destination (``unit_fetch``) instead of hashing the
+whole payload in a second pass over memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_draft_offload.unit_codec import (
+    Buffer,
+    LayerSpec,
+    UnitHeader,
+    UnitRejected,
+    checksum,
+    payload_hasher,
+    read_header,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedUnit:
+    """What the reader needs. ``successor_tokens=None`` means that the caller does not care.
+
+    ``num_tokens=None`` skips the token-count check; the geometry fingerprint usually
+    covers it already.
+    """
+
+    key: str
+    geometry_fingerprint: str
+    drafter_id: str
+    layers: tuple[LayerSpec, ...]
+    successor_tokens: tuple[int, ...] | None = None
+    num_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "layers",
+            tuple(s if isinstance(s, LayerSpec) else LayerSpec(*s) for s in self.layers),
+        )
+        if self.successor_tokens is not None:
+            object.__setattr__(self, "successor_tokens", tuple(self.successor_tokens))
+
+
+def check_expected(header: UnitHeader, expected: ExpectedUnit) -> None:
+    """Everything but the payload hash: a unit from another deployment costs nothing to reject."""
+    if header.key != expected.key:
+        raise UnitRejected("key_mismatch", f"stored {header.key!r}, wanted {expected.key!r}")
+    if header.geometry_fingerprint != expected.geometry_fingerprint:
+        raise UnitRejected(
+            "geometry_mismatch",
+            f"stored {header.geometry_fingerprint!r}, wanted {expected.geometry_fingerprint!r}",
+        )
+    if expected.num_tokens is not None and header.num_tokens != expected.num_tokens:
+        raise UnitRejected(
+            "geometry_mismatch", f"stored {header.num_tokens} tokens, wanted {expected.num_tokens}"
+        )
+    if header.drafter_id != expected.drafter_id:
+        raise UnitRejected(
+            "drafter_mismatch", f"stored {header.drafter_id!r}, wanted {expected.drafter_id!r}"
+        )
+    # The draft KV of the last position depends on the next token (EAGLE/MTP), so the
+    # successor must match exactly. A prefix match could accept draft KV built from another
+    # continuation.
+    if (
+        expected.successor_tokens is not None
+        and header.successor_tokens != expected.successor_tokens
+    ):
+        raise UnitRejected(
+            "successor_mismatch",
+            f"stored {list(header.successor_tokens)}, wanted {list(expected.successor_tokens)}",
+        )
+    # The part checks run before the full table comparison: "the drafter half is absent"
+    # is a different operational problem from "the layer list changed".
+    for part, is_draft in (("draft", True), ("target", False)):
+        wants = any(s.is_draft is is_draft and s.nbytes > 0 for s in expected.layers)
+        has = any(e.is_draft is is_draft and e.nbytes > 0 for e in header.layers)
+        if wants and not has:
+            raise UnitRejected("draft_part_missing", f"{part} layers absent from stored unit")
+    if header.layer_specs() != expected.layers:
+        raise UnitRejected(
+            "layer_table_mismatch", _table_diff(header.layer_specs(), expected.layers)
+        )
+    wanted_bytes = sum(s.nbytes for s in expected.layers)
+    if header.payload_nbytes != wanted_bytes:  # gaps between the layers
+        raise UnitRejected(
+            "layer_table_mismatch", f"payload {header.payload_nbytes} bytes, wanted {wanted_bytes}"
+        )
+
+
+class PayloadCheck:
+    """The payload digest, fed the payload in order, piece by piece.
+
+    A reader hashes each piece right after writing it to its destination, while it is
+    still in the CPU cache, instead of making a second pass over memory. ``finish``
+    raises ``checksum_mismatch`` unless exactly the payload was fed and it matches.
+    """
+
+    def __init__(self, header: UnitHeader) -> None:
+        self._header = header
+        self._hash = payload_hasher()
+        self._fed = 0
+
+    def update(self, piece: Buffer) -> None:
+        mv = memoryview(piece)
+        self._hash.update(mv)
+        self._fed += mv.nbytes
+
+    def finish(self) -> None:
+        if self._fed != self._header.payload_nbytes:
+            # More bytes than the header names is damage to the framing, as in read_header.
+            cause = "truncated" if self._fed < self._header.payload_nbytes else "corrupt_header"
+            raise UnitRejected(cause, f"checked {self._fed} of {self._header.payload_nbytes} bytes")
+        if self._hash.hexdigest() != self._header.payload_checksum:
+            raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
+
+
+def decode_unit(blob: Buffer, expected: ExpectedUnit) -> tuple[UnitHeader, memoryview]:
+    """Validate ``blob`` against ``expected``. Returns the header and a zero-copy payload view.
+
+    The cheap identity checks run before the payload hash, so a unit from another
+    deployment costs nothing to reject.
+    """
+    header, payload = read_header(blob)
+    check_expected(header, expected)
+    if checksum(payload) != header.payload_checksum:
+        raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
+    return header, payload
+
+
+def _table_diff(stored: tuple[LayerSpec, ...], wanted: tuple[LayerSpec, ...]) -> str:
+    if len(stored) != len(wanted):
+        return f"stored {len(stored)} layers, wanted {len(wanted)}"
+    for i, (s, w) in enumerate(zip(stored, wanted, strict=True)):
+        if s != w:
+            return f"layer {i}: stored {s}, wanted {w}"
+    return "tables differ"
