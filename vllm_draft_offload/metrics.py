@@ -73,8 +73,15 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
     "l3_lookup_failed",  # a storage lookup raised something unexpected; treated as a miss
 )
 # Why storage hits were not fetched (l3.hit_policy=cost).
-# not_looked_up: the lookup was skipped since even a full hit would be slower.
-L3_DECLINE_CAUSES: Final[tuple[str, ...]] = ("slower_than_recompute", "not_looked_up")
+# not_looked_up: the lookup was skipped since even a full hit would be slower;
+# speed_unknown: not looked up since the engine's prefill speed is not known yet;
+# fetch_too_slow: the lookup or fetch did not land within the request's wait allowance.
+L3_DECLINE_CAUSES: Final[tuple[str, ...]] = (
+    "slower_than_recompute",
+    "not_looked_up",
+    "speed_unknown",
+    "fetch_too_slow",
+)
 # Outcomes of the sampled recompute audit, per stored unit compared.
 AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")
 

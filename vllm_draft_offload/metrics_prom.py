@@ -84,8 +84,8 @@ REFUSALS = _counter(
 FALLBACKS = _counter("fallbacks", "Restores that fell back to recompute, by cause.", "cause")
 L3_DECLINED = _counter(
     "l3_declined_chunks",
-    "Storage (L3) chunks found but recomputed instead, because loading them was "
-    "estimated slower (l3.hit_policy=cost), by cause.",
+    "Storage (L3) chunks recomputed instead of fetched under l3.hit_policy=cost, by "
+    "cause: estimated slower, not looked up, engine speed unknown, fetch too slow.",
     "cause",
 )
 AUDIT_RECOMPUTE = _counter(
