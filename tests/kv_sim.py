@@ -153,6 +153,9 @@ class SimSetup:
     # TP ranks: one worker connector each, with its own KV tensors (holding the
     # same simulated KV) and host pool; vLLM's KVOutputAggregator merges outputs.
     tp: int = 1
+    # Seconds the simulated forward takes per scheduled token, as a device would:
+    # the L3 cost policy weighs storage reads against this recompute time.
+    compute_s_per_token: float = 0.0
 
 
 def _draft_spec(setup: SimSetup) -> FullAttentionSpec:
@@ -442,6 +445,8 @@ class SimEngine:
         target_layers = [name for name in self.kv_caches if name not in self.draft_names]
         draft_layers = [name for name in self.kv_caches if name in self.draft_names]
         later = self.draft_successors
+        if self.setup.compute_s_per_token:
+            time.sleep(self.setup.compute_s_per_token * sched_out.total_num_scheduled_tokens)
         # Positions computed in this step are written first, then the whole
         # context is read back (like attention) and decides the sampled token.
         # Draft KV at p needs the `later` tokens after p: it is written once they
@@ -544,6 +549,13 @@ class SimEngine:
             if not sched_out.num_scheduled_tokens:
                 time.sleep(0.005)  # waiting on background I/O
         raise AssertionError(f"{req_id} did not finish its prefill")
+
+    def shutdown(self) -> None:
+        """Stop as vLLM does: workers first (they flush their L3 writes), then the
+        scheduler, whose Scheduler.shutdown reaches the scheduler-side connector."""
+        for worker in self.workers:
+            worker.shutdown()
+        self.scheduler.shutdown()
 
     def take_published(self) -> dict[str, Any]:
         """Connector stats published since the last call, as vLLM's loggers saw them."""

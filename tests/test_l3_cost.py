@@ -16,7 +16,7 @@ from test_metrics import clean_registry, vllm_config  # noqa: F401
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
-from vllm_draft_offload import l3_cost
+from vllm_draft_offload import l3_calibration
 from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate
 from vllm_draft_offload.metric_defs import PREFIX
 from vllm_draft_offload.metrics import DraftOffloadStats
@@ -41,11 +41,83 @@ def test_prefill_fit_recovers_step_cost_despite_outliers() -> None:
     assert est.recompute_s(16384, 256) > 1.5 * est.recompute_s(0, 256)  # type: ignore[operator]
 
 
+def test_a_few_prefills_among_many_short_steps_price_recompute() -> None:
+    """What an engine sees between restored hits: many short steps (decodes, tiny
+    requests) and few long prefills. The prefills must price recompute."""
+    rng = np.random.default_rng(1)
+    a, b, c = 0.02, 3e-5, 5e-10
+    est = PrefillEstimate()
+    for i in range(120):
+        tokens, context = (16384, 0) if i % 30 == 7 else (int(rng.integers(1, 4)), 16000)
+        seconds = a + b * tokens + c * tokens * (context + tokens / 2)
+        est.observe(tokens, tokens * (context + tokens / 2), seconds * (1 + 0.05 * rng.random()))
+    truth = b * 16384 + c * 16384 * 8192
+    assert est.recompute_s(0, 16384) == pytest.approx(truth, rel=0.15)
+
+
 def test_prefill_is_unknown_until_a_prefill_step_was_seen() -> None:
     est = PrefillEstimate()
     for _ in range(50):
         est.observe(1, 100.0, 0.01)  # decode steps only
     assert est.recompute_s(0, 256) is None
+
+
+def test_calibration_round_trip_and_what_it_refuses() -> None:
+    samples = [(256.0, 256 * 128.0, 0.8), (2.0, 4094.0, 0.01), (1024.0, 1024 * 512.0, 3.1)]
+    blob = l3_calibration.encode(samples, "NVIDIA H200")
+    assert l3_calibration.decode(blob, "NVIDIA H200") == samples
+    assert l3_calibration.decode(blob, "NVIDIA H100 80GB HBM3") is None  # another device
+    for bad in (
+        b"not json",
+        b'{"version": 2, "device": "NVIDIA H200", "samples": []}',
+        b'{"version": 1, "device": "NVIDIA H200", "samples": [[1, 2]]}',
+        b'{"version": 1, "device": "NVIDIA H200", "samples": [[1, 2, NaN]]}',
+        b'{"version": 1, "device": "NVIDIA H200", "samples": [[1, 2, -3]]}',
+    ):
+        assert l3_calibration.decode(bad, "NVIDIA H200") is None, bad
+    # One name per salt and device; never the name of a unit (32 + 4 hex digits).
+    name = l3_calibration.object_name(b"salt", "NVIDIA H200")
+    assert len(name) == 40 and int(name, 16) >= 0
+    assert name != l3_calibration.object_name(b"salt", "NVIDIA H100 80GB HBM3")
+    assert name != l3_calibration.object_name(b"other salt", "NVIDIA H200")
+    assert l3_calibration.is_calibration_file(f"ns@1@0@1{name}@uint8.data")
+    assert not l3_calibration.is_calibration_file(f"ns@1@0@1{'ab' * 16}0000@uint8.data")
+
+
+def test_an_earlier_engines_steps_price_recompute_until_the_own_fit() -> None:
+    a, b = 0.004, 2e-5
+    steps = [(float(n), n * n / 2, a + b * n) for n in (1, 1, 256, 512, 1024, 2048)]
+    est = PrefillEstimate()
+    assert est.source == "none" and est.recompute_s(0, 256) is None
+    assert est.set_prior(steps)
+    assert est.source == "calibration"
+    assert est.recompute_s(0, 1000) == pytest.approx(b * 1000, rel=0.05)
+    for _ in range(3):
+        est.observe(512, 512 * 256, 1.0)  # this engine is slower: its own steps win...
+    assert est.source == "calibration"
+    est.observe(1, 1.0, 0.01)
+    assert est.source == "fit"  # ...as soon as they make a fit
+    assert est.recompute_s(0, 512) > 10 * b * 512
+    # A prior too small for a fit: its fastest per-token prefill rate.
+    est = PrefillEstimate()
+    assert est.set_prior([(256.0, 0.0, 0.5), (512.0, 0.0, 0.8)])
+    assert est.recompute_s(0, 100) == pytest.approx(100 * 0.8 / 512)
+    assert not PrefillEstimate().set_prior([(1.0, 1.0, 0.01)])  # decode steps only
+
+
+def test_steps_that_restore_kv_are_no_prefill_samples() -> None:
+    """A hit computing 2 tokens after 16k restored ones takes the copy's time: a
+    sample of it would price attention over a long context at the copy's cost."""
+    now = [0.0]
+    model = CostModel(256, 1 << 20, 2, clock=lambda: now[0])
+    model.step_scheduled([(2, 16382)], loads=True)
+    now[0] += 0.09
+    model.step_output()
+    assert model.prefill.observed == 0
+    model.step_scheduled([(2048, 0)])
+    now[0] += 0.1
+    model.step_output()
+    assert model.prefill.observed == 1
 
 
 def test_storage_estimate_replaces_the_prior_and_tracks_changes() -> None:
@@ -93,6 +165,10 @@ def test_cost_model_takes_fast_hits_and_declines_slow_ones() -> None:
 # ------------------------------------------------------------ on a real engine
 
 PROMPT_CHUNKS = 8
+# The simulated forward's time per token, as a device's: a prompt of PROMPT_CHUNKS
+# recomputes in about 0.8 s, so reading a few 32 KiB units from a local directory
+# (milliseconds) wins, and the 5 % wait allowance is about 40 ms.
+COMPUTE_S_PER_TOKEN = 3e-3
 
 
 def _filled_storage(model_dirs: tuple[Path, Path], url: str) -> list[list[int]]:
@@ -106,11 +182,17 @@ def _filled_storage(model_dirs: tuple[Path, Path], url: str) -> list[list[int]]:
     return prompts
 
 
+def _engine(model_dirs: tuple[Path, Path], url: str, policy: str, io_threads: int) -> SimEngine:
+    l3 = {"enabled": True, "hit_policy": policy, "io_threads": io_threads}
+    return l3_engine(
+        model_dirs, url, compute_s_per_token=COMPUTE_S_PER_TOKEN, extra_config={"l3": l3}
+    )
+
+
 def _restarted(
     model_dirs: tuple[Path, Path], url: str, policy: str, io_threads: int = 2
 ) -> SimEngine:
-    l3 = {"enabled": True, "hit_policy": policy, "io_threads": io_threads}
-    eng = l3_engine(model_dirs, url, extra_config={"l3": l3})
+    eng = _engine(model_dirs, url, policy, io_threads)
     # A fresh prompt first: the engine's prefill speed is measured on it.
     eng.add_request("warmup", prompt(59, PROMPT_CHUNKS * CHUNK + 5), max_tokens=8)
     eng.run_until_done()
@@ -125,6 +207,11 @@ def _serve(eng: SimEngine, req_id: str, tokens: list[int]) -> dict:
     assert eng.mismatched_positions(req_id) == []
     eng.run_until_done()
     return eng.take_published()
+
+
+def _decisions(eng: SimEngine) -> str:
+    l3 = eng.scheduler.connector.scheduler.l3
+    return "\n".join(d.line() for d in l3.log.recent)
 
 
 @pytest.mark.parametrize("policy", ["cost", "always"])
@@ -143,16 +230,19 @@ def test_slow_redis_hits_are_declined_and_counted(
 
 def _slow_storage(model_dirs: tuple[Path, Path], url: str, policy: str) -> None:
     prompts = _filled_storage(model_dirs, url)
-    eng = _restarted(model_dirs, url, policy)
-    # 0.1 s per unit read: 8 units on 2 threads load in 0.4 s, far slower than
-    # the simulated prefill.
-    throttle(eng.worker.worker.l3.store, get=0.1)
-    _serve(eng, "first", prompts[0])  # measures the storage (a probe, or a hit if always)
+    eng = _restarted(model_dirs, url, policy, io_threads=8)
+    # 1.5 s per unit read: the 8 units load in 1.5 s (one round on 8 threads),
+    # far slower than the simulated prefill.
+    throttle(eng.worker.worker.l3.store, get=1.5)
+    first = _serve(eng, "first", prompts[0])  # measures the storage (a probe, or a hit)
     published = _serve(eng, "second", prompts[1])
     if policy == "always":
         assert eng.external_hits["second"] == PROMPT_CHUNKS * CHUNK
         assert "l3_declined" not in published or not published["l3_declined"]
     else:
+        # The probe did not land within the first request's allowance: it recomputed.
+        assert eng.external_hits["first"] == 0
+        assert first["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}, _decisions(eng)
         assert eng.external_hits["second"] == 0
         # Storage measured slow: the lookup itself is skipped.
         assert published["l3_declined"] == {"not_looked_up": PROMPT_CHUNKS}
@@ -160,27 +250,46 @@ def _slow_storage(model_dirs: tuple[Path, Path], url: str, policy: str) -> None:
     eng.worker.shutdown()
 
 
-def test_fast_storage_hits_are_taken(
-    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # No wait on the probe: it is timed in the background (the waiting probe has
-    # its own tests below), so the first request recomputes whatever the timing.
-    monkeypatch.setattr(l3_cost, "PROBE_WAIT_FRACTION", 0.0)
+def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Storage unmeasured, engine speed measured: the first hit probes one unit, which
+    lands within its allowance, then loads the rest; the next hit uses the speed."""
     url = f"fs://{tmp_path / 'l3'}"
     prompts = _filled_storage(model_dirs, url)
-    # 8 read threads: the 8 units load in one round, so the probe's timing (taken
-    # while the simulated prefill competes for the GIL) keeps a wide margin.
     eng = _restarted(model_dirs, url, "cost", io_threads=8)
-    published = _serve(eng, "probe", prompts[0])  # storage speed unknown yet
-    assert eng.external_hits["probe"] == 0
-    assert published["chunks"]["load/l3"] == 1  # the background probe
-    published = _serve(eng, "hit", prompts[1])
-    cost = eng.scheduler.connector.scheduler.l3.cost
-    recompute = cost.prefill.recompute_s(0, PROMPT_CHUNKS * CHUNK)
-    diagnosis = f"unit {cost.storage.unit_s:.4f} s, recompute {recompute} s"
-    assert eng.external_hits["hit"] == PROMPT_CHUNKS * CHUNK, diagnosis
-    assert published["chunks"]["load/l3"] == PROMPT_CHUNKS
-    assert not published.get("l3_declined")
+    for req_id, tokens in (("probe", prompts[0]), ("hit", prompts[1])):
+        published = _serve(eng, req_id, tokens)
+        assert eng.external_hits[req_id] == PROMPT_CHUNKS * CHUNK, _decisions(eng)
+        assert published["chunks"]["load/l3"] == PROMPT_CHUNKS
+        assert not published.get("l3_declined")
+    probe = next(d for d in eng.scheduler.connector.scheduler.l3.log.recent if d.req_id == "probe")
+    assert probe.probe.startswith("1/1 landed"), probe.line()
+    eng.worker.shutdown()
+
+
+def test_measured_storage_that_stalls_costs_a_bounded_wait(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Storage measured fast, then every read hangs: the request stops waiting once the
+    fetch falls behind the measured pace, and recomputes."""
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "cost", io_threads=8)
+    _serve(eng, "fast", prompts[0])
+    assert eng.scheduler.connector.scheduler.l3.cost.storage.samples >= 1
+    throttle(eng.worker.worker.l3.store, get=3.0)
+    eng.evict_gpu_kv()
+    eng.take_published()
+    eng.add_request("stalled", prompts[1], max_tokens=1)
+    started = time.monotonic()
+    eng.run_prefill("stalled")
+    # Prefilled long before the 3 s reads land.
+    assert time.monotonic() - started < 2.5
+    assert eng.external_hits["stalled"] == 0
+    assert eng.mismatched_positions("stalled") == []
+    decision = eng.scheduler.connector.scheduler.l3.log.recent[-1]
+    assert decision.outcome == "declined:fetch_too_slow", decision.line()
+    eng.run_until_done()  # the reads land in the background
+    eng.worker.worker.l3.flush(10)
     eng.worker.shutdown()
 
 
@@ -197,16 +306,23 @@ def test_never_reads_storage(model_dirs: tuple[Path, Path], tmp_path: Path) -> N
 def test_unknown_engine_speed_declines_and_probes(
     model_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Right after a restart nothing is known: recompute, and fetch one unit to measure."""
+    """Right after a start with no calibration nothing is known: recompute without
+    waiting on storage, and measure the storage with one unit in the background."""
     url = f"fs://{tmp_path / 'l3'}"
-    prompts = _filled_storage(model_dirs, url)
-    eng = l3_engine(model_dirs, url, extra_config={"l3": {"enabled": True}})
+    prompts = _filled_storage(model_dirs, url)  # an `always` engine: no calibration
+    eng = _engine(model_dirs, url, "cost", io_threads=2)
+    sched = eng.scheduler.connector.scheduler
+    assert sched.l3.cost.prefill.source == "none"
     published = _serve(eng, "cold", prompts[0])
     assert eng.external_hits["cold"] == 0
-    assert published["l3_declined"] == {"slower_than_recompute": PROMPT_CHUNKS}
-    assert published["chunks"].get("load/l3") == 1  # the probe
-    sched = eng.scheduler.connector.scheduler
-    assert sched.l3.cost.storage.samples == 1
+    assert published["l3_declined"] == {"speed_unknown": PROMPT_CHUNKS}
+    assert sched.l3.log.recent[0].found is None  # no request waited on storage
+    deadline = time.monotonic() + 10
+    while sched.l3.cost.storage.samples == 0:  # the background lookup, then its probe
+        assert time.monotonic() < deadline, _decisions(eng)
+        eng.step()
+        time.sleep(0.005)
+    eng.run_until_done()
     eng.worker.shutdown()
 
 
@@ -263,36 +379,10 @@ def test_declined_chunks_reach_prometheus_and_the_log_line(
     assert stats.reduce()["l3_declined_chunks"] == 5
 
 
-def test_first_hit_on_unmeasured_fast_storage_waits_for_its_probe(
-    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Storage speed unknown, engine speed known: the first hit fetches one unit as a
-    probe, waits for it, then loads the rest of the prefix with the measured speed.
-
-    The simulated prefill is far faster than any storage, so the probe may wait for
-    as long as it needs here (on a GPU the default 5 % of the recompute time holds a
-    unit fetch); the decision after the probe still uses the real cost model."""
-    monkeypatch.setattr(l3_cost, "PROBE_WAIT_FRACTION", 1e6)
-    url = f"fs://{tmp_path / 'l3'}"
-    prompts = _filled_storage(model_dirs, url)
-    eng = _restarted(model_dirs, url, "cost", io_threads=8)
-    # Loading beats recomputing whatever it costs (the probe is what is under test).
-    monkeypatch.setattr(
-        eng.scheduler.connector.scheduler.l3.cost.prefill,
-        "recompute_s",
-        lambda start, tokens: 1e3 * tokens,
-    )
-    published = _serve(eng, "first", prompts[0])
-    assert eng.external_hits["first"] == PROMPT_CHUNKS * CHUNK
-    assert published["chunks"]["load/l3"] == PROMPT_CHUNKS  # the probe + the rest
-    assert not published.get("l3_declined")
-    eng.worker.shutdown()
-
-
 def test_first_hit_on_slow_storage_waits_only_a_bounded_time(
     model_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """A probe slower than its wait budget is abandoned: the request recomputes and
+    """A probe slower than its wait allowance is abandoned: the request recomputes and
     the probe still lands later, measuring the storage for the next request."""
     url = f"fs://{tmp_path / 'l3'}"
     prompts = _filled_storage(model_dirs, url)
@@ -303,13 +393,13 @@ def test_first_hit_on_slow_storage_waits_only_a_bounded_time(
     eng.add_request("first", prompts[0], max_tokens=1)
     started = time.monotonic()
     eng.run_prefill("first")
-    # Prefilled long before the 3 s probe lands (its budget: 5 % of a ms-scale recompute).
+    # Prefilled long before the 3 s probe lands (its allowance: about 40 ms).
     assert time.monotonic() - started < 2.5
     assert eng.external_hits["first"] == 0
     assert eng.mismatched_positions("first") == []
     eng.run_until_done()  # the probe lands and times the storage for later requests
     published = eng.take_published()
-    assert published["l3_declined"] == {"slower_than_recompute": PROMPT_CHUNKS}
+    assert published["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}
     assert eng.scheduler.connector.scheduler.l3.cost.storage.samples == 1
     eng.worker.worker.l3.flush(10)
     eng.worker.shutdown()

@@ -45,6 +45,8 @@ class L3Config(BaseModel):
     # At shutdown, how long a worker waits for queued writes to land; the rest are
     # counted as l3_write_lost_shutdown.
     flush_timeout_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)
+    # Log every storage lookup's decision at INFO instead of DEBUG (l3_decisions.py).
+    log_decisions: bool = False
 
     @field_validator("io_threads", mode="before")
     @classmethod

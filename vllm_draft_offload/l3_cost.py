@@ -19,11 +19,17 @@ Two estimators, fed by what the connector sees anyway:
 
 `CostModel.chunks_worth_loading` picks how many leading chunks of a storage
 hit to load: the count that saves the most time, or none. The CPU tier is not
-involved: its hits are always taken. Until a storage timing exists, the first
-storage hit fetches one unit as a probe and waits for it at most
-PROBE_WAIT_FRACTION of the hit's estimated recompute time (l3_prefetch.py); then
-it decides with the measured speed, or gives up and recomputes. So a hit on an
-unmeasured storage costs at most that fraction more than recomputing.
+involved: its hits are always taken. `CostModel.wait_allowance_s` is what a
+request may always wait on storage (l3_prefetch.py; all it gets while the storage
+is unmeasured): PROBE_WAIT_FRACTION of the estimated recompute of the chunks it
+looks up, plus the estimated recompute of the leading chunks that have already
+landed (those it no longer has to compute). Admitted at any moment within that
+allowance, the request finishes no later than recomputing everything would plus
+that fraction, however slow the storage turns out to be.
+
+A restarted engine has timed no step yet. The prefill samples of an earlier
+engine of the same model and device (shared through storage, l3_calibration.py)
+stand in as a prior until the engine has its own fit.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import combinations
 
 import numpy as np
@@ -41,10 +47,11 @@ import numpy as np
 # hit is taken before then): 5 ms per request plus 0.25 GB/s per read thread.
 PRIOR_LATENCY_S = 0.005
 PRIOR_BYTES_PER_S = 0.25e9
-# Weight of a new sample in the storage averages.
+# Weight of a new sample in the storage averages, and in the step duration.
 EWMA_ALPHA = 0.2
-# A first storage hit waits on its probe fetch for at most this share of its
-# estimated recompute time: the worst case is recompute + 5 %.
+STEP_ALPHA = 0.3
+# A request waits on storage for at most this share of the estimated recompute of
+# the chunks it looks up (beyond what landed chunks save): worst case recompute + 5 %.
 PROBE_WAIT_FRACTION = 0.05
 # Storage estimates older than this are refreshed by a probe fetch.
 REPROBE_S = 30.0
@@ -99,47 +106,100 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+Sample = tuple[float, float, float]  # (tokens, attention, seconds) of one step
+
+
+def fit_steps(samples: Iterable[Sample]) -> np.ndarray | None:
+    """Coefficients (a, b, c) of t = a + b * tokens + c * attention, or None while the
+    samples cannot make a fit (fewer than MIN_SAMPLES, or no prefill step)."""
+    data = np.array(list(samples), dtype=float).reshape(-1, 3)
+    if len(data) < MIN_SAMPLES or not np.any(data[:, 0] >= MIN_PREFILL_TOKENS):
+        return None
+    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    # Columns on one scale, so no coefficient is favoured by its units.
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    # Errors relative to each step's own time: the few long prefill steps among many
+    # short ones (what prices a recompute) count as much as the rest, and a step that
+    # waited on I/O or an idle engine, off by a multiple, weighs at most 1.
+    seconds = data[:, 2]
+    xw = x / scale / seconds[:, None]
+    coef = _nonneg_lstsq(xw, np.ones(len(data)))
+    residual = xw @ coef - 1.0
+    mad = float(np.median(np.abs(residual - np.median(residual))))
+    keep = np.abs(residual) <= 3 * 1.4826 * mad + 1e-9
+    prefill_kept = np.any(data[keep, 0] >= MIN_PREFILL_TOKENS)
+    if keep.sum() >= MIN_SAMPLES and not keep.all() and prefill_kept:
+        coef = _nonneg_lstsq(xw[keep], np.ones(int(keep.sum())))
+    return coef / scale
+
+
 class PrefillEstimate:
     def __init__(self) -> None:
-        self._samples: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
+        self._samples: deque[Sample] = deque(maxlen=WINDOW)
         self._new = 0
-        self.coef: np.ndarray | None = None  # a, b, c
+        self.coef: np.ndarray | None = None  # a, b, c: this engine's own fit
+        # Fit of an earlier engine's samples (same model and device): used until
+        # this engine has its own fit.
+        self.prior_coef: np.ndarray | None = None
+        self.observed = 0  # step samples taken so far (the calibration saves new ones)
 
     def observe(self, tokens: int, attention: float, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         self._samples.append((float(tokens), attention, seconds))
+        self.observed += 1
         self._new += 1
         if self._new >= REFIT_EVERY or self.coef is None:
             self._fit()
 
     def _fit(self) -> None:
-        data = np.array(self._samples)
-        if len(data) < MIN_SAMPLES or not np.any(data[:, 0] >= MIN_PREFILL_TOKENS):
+        coef = fit_steps(self._samples)
+        if coef is None:
             return
         self._new = 0
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-        # Columns on one scale, so no coefficient is favoured by its units.
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-        coef = _nonneg_lstsq(x / scale, data[:, 2])
-        residual = x / scale @ coef - data[:, 2]
-        mad = float(np.median(np.abs(residual - np.median(residual))))
-        keep = np.abs(residual) <= 3 * 1.4826 * mad + 1e-9
-        if keep.sum() >= MIN_SAMPLES and not keep.all():
-            coef = _nonneg_lstsq(x[keep] / scale, data[keep, 2])
-        self.coef = coef / scale
+        self.coef = coef
+
+    def set_prior(self, samples: Iterable[Sample]) -> bool:
+        """Take an earlier engine's step samples as the estimate until this engine has
+        its own fit (too few for a fit: their fastest per-token prefill rate); False
+        when they hold no prefill step."""
+        samples = list(samples)
+        coef = fit_steps(samples)
+        if coef is None:
+            rates = [s / t for t, _, s in samples if t >= MIN_PREFILL_TOKENS]
+            coef = np.array([0.0, min(rates), 0.0]) if rates else None
+        self.prior_coef = coef
+        return coef is not None
+
+    def own_samples(self) -> list[Sample]:
+        return list(self._samples)
+
+    @property
+    def has_prefill(self) -> bool:
+        """A prefill step was timed: the samples say something about recompute."""
+        return any(t >= MIN_PREFILL_TOKENS for t, _, _ in self._samples)
+
+    @property
+    def source(self) -> str:
+        """Where recompute estimates come from now (for the decision log)."""
+        if self.coef is not None:
+            return "fit"
+        if self.prior_coef is not None:
+            return "calibration"
+        return "rate" if self.has_prefill else "none"
 
     def recompute_s(self, start: int, tokens: int) -> float | None:
         """Seconds to compute tokens [start, start + tokens) of one request; None: unknown.
 
-        Before the fit exists (fewer than MIN_SAMPLES steps), the fastest per-token
-        rate of the prefill steps seen so far stands in: it ignores the attention
-        term, so it underestimates a long prefix's recompute and errs towards
-        recomputing."""
-        if self.coef is None:
+        Without a fit of this engine's own steps, an earlier engine's (the
+        calibration) stands in; without either, the fastest per-token rate of the
+        prefill steps seen so far: it ignores the attention term, so it
+        underestimates a long prefix's recompute and errs towards recomputing."""
+        coef = self.coef if self.coef is not None else self.prior_coef
+        if coef is None:
             rates = [s / t for t, _, s in self._samples if t >= MIN_PREFILL_TOKENS]
             return min(rates) * tokens if rates else None
-        _, b, c = self.coef
+        _, b, c = coef
         return float(b * tokens + c * tokens * (start + tokens / 2))
 
 
@@ -159,12 +219,20 @@ class CostModel:
         # Bounded: if vLLM ever skips an output, old entries fall off.
         self._open_steps: deque[tuple[float, int, float]] = deque(maxlen=4)
         self._last_output = -math.inf
+        # Recent step duration (any step): a waiting request is looked at once per
+        # step, and a fetch's result reaches the scheduler a step after it lands.
+        self.step_s = 0.0
 
     # ------------------------------------------------------------- step timing
 
-    def step_scheduled(self, work: list[tuple[int, int]]) -> None:
-        """A step was scheduled: (new tokens, context before them) per request."""
-        tokens = sum(n for n, _ in work)
+    def step_scheduled(self, work: list[tuple[int, int]], loads: bool = False) -> None:
+        """A step was scheduled: (new tokens, context before them) per request.
+
+        `loads`: the step also restores KV from the CPU tier. Its time is then not
+        compute alone (a hit computing 2 tokens after 16k restored ones takes the
+        load's time), and would teach the fit that attention over a long context
+        costs what the copy did: such a step keeps the clock but is no sample."""
+        tokens = 0 if loads else sum(n for n, _ in work)
         attention = float(sum(n * (ctx + n / 2) for n, ctx in work))
         self._open_steps.append((self._clock(), tokens, attention))
 
@@ -182,17 +250,60 @@ class CostModel:
         scheduled, tokens, attention = self._open_steps.popleft()
         started = max(scheduled, self._last_output)
         self._last_output = now
+        self.step_s += STEP_ALPHA * (now - started - self.step_s)
         if tokens:
             self.prefill.observe(tokens, attention, now - started)
 
     # ---------------------------------------------------------------- decision
 
-    def probe_wait_s(self, first_chunk: int, num_chunks: int) -> float:
-        """How long a first hit may wait on its probe fetch; 0: no estimate to bound it."""
-        compute = self.prefill.recompute_s(
-            first_chunk * self.chunk_size, num_chunks * self.chunk_size
-        )
-        return PROBE_WAIT_FRACTION * compute if compute else 0.0
+    def recompute_chunks_s(self, first_chunk: int, num_chunks: int) -> float | None:
+        """Estimated seconds to recompute chunks [first_chunk, first_chunk + num_chunks)."""
+        return self.prefill.recompute_s(first_chunk * self.chunk_size, num_chunks * self.chunk_size)
+
+    def wait_allowance_s(self, first_chunk: int, num_chunks: int, landed: int) -> float:
+        """How long a request may have waited on storage for chunks [first_chunk,
+        first_chunk + num_chunks), of which the leading `landed` are in the CPU tier.
+
+        PROBE_WAIT_FRACTION of the chunks' estimated recompute, plus the recompute
+        the landed ones save: admitted at any moment within it, the request finishes
+        at most that fraction later than recomputing would. 0 without an estimate."""
+        whole = self.recompute_chunks_s(first_chunk, num_chunks)
+        if not whole:
+            return 0.0
+        saved = self.recompute_chunks_s(first_chunk, landed) if landed > 0 else 0.0
+        return PROBE_WAIT_FRACTION * whole + (saved or 0.0)
+
+    def may_wait(
+        self,
+        phase: str,
+        waited_s: float,
+        stalled_s: float,
+        first_chunk: int,
+        num_chunks: int,
+        landed: int,
+        coming: int,
+    ) -> tuple[bool, float]:
+        """May a request keep waiting on storage? (yes or no, its allowance)
+
+        It waited `waited_s` in all, `stalled_s` since its fetch last progressed, for
+        chunks [first_chunk, first_chunk + num_chunks): `landed` leading ones are in,
+        `coming` more are being fetched. Always within wait_allowance_s, the bound on
+        the worst case. While the storage is unmeasured (a `probe`) nothing more. Once
+        it is measured, also while the lookup is within two round trips, or while the
+        fetch keeps the measured pace (progress within two unit times) and finishing
+        it at that pace beats recomputing what has not landed; both give two engine
+        steps more, as an answer reaches the scheduler only with a step."""
+        allowance = self.wait_allowance_s(first_chunk, num_chunks, landed)
+        if waited_s < allowance:
+            return True, allowance
+        storage = self.storage
+        if phase == "probe" or storage.samples == 0:
+            return False, allowance
+        if phase == "lookup":
+            return waited_s < 2 * (storage.round_trip_s + self.step_s), allowance
+        recompute = self.recompute_chunks_s(first_chunk + landed, coming)
+        worth = recompute is not None and storage.load_s(coming) < recompute
+        return worth and stalled_s < 2 * (storage.unit_s + self.step_s), allowance
 
     def chunks_worth_loading(self, first_chunk: int, num_chunks: int, round_trip: bool) -> int:
         """How many of chunks [first_chunk, first_chunk + num_chunks) to load from storage.

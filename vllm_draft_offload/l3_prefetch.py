@@ -9,7 +9,16 @@ object's header, so the EAGLE successor rule applies to L3 hits unchanged.
 While a request waits, the CPU units of its matched prefix (and units fetched
 for it) are pinned, so the placeholders of its own fetches, or other requests'
 stores, cannot evict its head. `l3.hit_policy` decides how much of a storage
-hit is fetched (l3_cost.py).
+hit is fetched (l3_cost.py). Under `cost`, `CostModel.may_wait` decides how long
+a request waits, counted from its lookup: always within 5 % of the estimated
+recompute of what it looks up plus what the chunks that landed save (all it gets
+while the storage is unmeasured, i.e. for the probe), and once the storage is
+measured also while the fetch keeps the measured pace. When it stops waiting it is
+admitted with the leading chunks that landed; its other fetches finish in the
+background into the CPU tier. Without any recompute estimate (a start with no
+calibration, l3_calibration.py) nothing bounds a wait: the request does not wait,
+and the lookup goes on in the background (l3_background.py) to probe the storage.
+Every decision is logged (l3_decisions.py).
 """
 
 from __future__ import annotations
@@ -23,7 +32,10 @@ from dataclasses import dataclass, field
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.hit_logic import PrefixMatch
+from vllm_draft_offload.l3_background import BackgroundProbe
+from vllm_draft_offload.l3_calibration import Calibration
 from vllm_draft_offload.l3_cost import CostModel
+from vllm_draft_offload.l3_decisions import DecisionLog, L3Decision
 from vllm_draft_offload.l3_tier import SchedulerL3
 from vllm_draft_offload.metadata import FetchJob
 from vllm_draft_offload.metrics import DraftOffloadStats
@@ -34,25 +46,33 @@ logger = logging.getLogger(__name__)
 PLACEHOLDER = -1
 # Refusal cause of a unit whose TP ranks' objects disagree.
 RANK_MISMATCH = "rank_mismatch"
-# Decline causes: storage hits that would load slower than recompute, and chunks
-# not even looked up because a full hit would (they may or may not be stored).
+# Decline causes (metrics.L3_DECLINE_CAUSES): storage hits estimated to load slower
+# than recompute; chunks not even looked up because a full hit would be; chunks not
+# looked up because the engine's prefill speed is unknown; fetches (or a lookup) that
+# did not land within the request's wait allowance.
 SLOWER_THAN_RECOMPUTE = "slower_than_recompute"
 NOT_LOOKED_UP = "not_looked_up"
+SPEED_UNKNOWN = "speed_unknown"
+FETCH_TOO_SLOW = "fetch_too_slow"
 
 
 @dataclass
 class L3RequestState:
     first_chunk: int
+    end_chunk: int  # chunks [first_chunk, end_chunk) are looked up
+    decision: L3Decision
     phase: str = "lookup"  # lookup -> [probe ->] fetch -> done
-    # Storage hits found by the lookup, and the probe's deadline (first hit only).
-    hits: int = 0
-    probe_deadline: float = 0.0
+    hits: int = 0  # leading chunks storage holds
+    # A later call whose first missing chunk is in [first_chunk, covered_until] is
+    # this same lookup, further along; past it a new lookup starts.
+    covered_until: int = 0
     lookup: Future[list[bool]] | None = None
     lookup_started: float = 0.0
     jobs: set[int] = field(default_factory=set)
-    deadline: float = 0.0
-    # Chunks below this were already looked up for this request: don't ask again.
-    checked_until: int = 0
+    started: float = field(default_factory=time.monotonic)  # the wait clock
+    # Leading chunks landed so far, and when the fetch last made progress.
+    landed: int = 0
+    progress: float = field(default_factory=time.monotonic)
 
 
 class L3Prefetch:
@@ -65,6 +85,7 @@ class L3Prefetch:
         stats: DraftOffloadStats,
         new_job_id: Callable[[], int],
         unit_bytes: int,
+        salt: bytes | None = None,
     ) -> None:
         self.lookup = lookup
         self.index = index
@@ -74,12 +95,28 @@ class L3Prefetch:
         self.stats = stats
         self.new_job_id = new_job_id
         self.cost = CostModel(chunk_size, unit_bytes, config.io_threads)
+        self.log = DecisionLog(config.log_decisions)
+        # The prefill speed of an earlier engine like this one (None: not shared).
+        self.calibration: Calibration | None = None
+        if salt is not None and config.hit_policy == "cost" and lookup.store is not None:
+            self.calibration = Calibration(lookup, salt, config.timeout_s)
+            self.calibration.load_into(self.cost.prefill)
+        # Told which chunk keys a lookup found in storage, and which of those could
+        # not be fetched after all (the write planner: found units are not rewritten).
+        self.on_found: Callable[[Sequence[bytes]], None] | None = None
+        self.on_unusable: Callable[[bytes], None] | None = None
         self._requests: dict[str, L3RequestState] = {}
         # Units pinned for a request while it waits on its lookup or fetches.
         self._pins: dict[str, list[UnitId]] = {}
         self._pending_fetches: list[FetchJob] = []
         # fetch job id -> (request id or None for a probe, placeholder unit)
         self.fetch_units: dict[int, tuple[str | None, UnitId]] = {}
+        # Lookups no request waits for any more, kept to measure the storage.
+        self.background = BackgroundProbe(
+            self.cost.storage,
+            lambda chunk_key: self._reserve_fetch(None, chunk_key),
+            self._found,
+        )
 
     def _first_missing_chunk(self, match: PrefixMatch, num_computed: int) -> int | None:
         """First chunk the CPU tier lacks, or None when L3 cannot extend the match."""
@@ -121,56 +158,133 @@ class L3Prefetch:
             return False
         first = self._first_missing_chunk(match, num_computed)
         last = min(len(keys), num_tokens // self.chunk_size)
+        state = self._requests.get(req_id)
+        if state is not None and state.phase != "done":
+            matched = match.chunks[-1][0] + 1 if match.chunks else num_computed // self.chunk_size
+            landed = max(0, matched - state.first_chunk)
+            if first is None or first >= last:
+                # Everything it can use is in the CPU tier (or the match ends inside
+                # a chunk): admit it; anything still coming lands in the background.
+                self._finish(state, self._outcome(state, landed), landed)
+                return False
         if first is None or first >= last:
             return False
-        state = self._requests.get(req_id)
-        in_range = state is not None and state.first_chunk < first < state.checked_until
-        if in_range and state.phase != "probe":
-            # Part of a range already looked up: the rest failed or is still coming.
-            return bool(state.jobs) and time.monotonic() < state.deadline + self.timeout_s
-        if not in_range and (state is None or state.first_chunk != first):
-            state = L3RequestState(first, deadline=time.monotonic() + self.timeout_s)
-            self._requests[req_id] = state
-            if (
-                self.hit_policy == "cost"
-                and not self.cost.storage.stale()
-                and not self.cost.chunks_worth_loading(first, last - first, round_trip=True)
-            ):
-                # Even a full hit would load slower than recompute: skip the round trip.
-                state.phase = "done"
-                state.checked_until = last
-                self.stats.record_l3_declined(NOT_LOOKED_UP, last - first)
-                return False
-            # Pin the head before the lookup's answer reserves placeholders.
-            self._pin(req_id, (view.handle for _, view in match.chunks))  # type: ignore[misc]
-            state.lookup_started = time.perf_counter()
-            state.lookup = self.lookup.lookup(list(keys[first:last]))
+        if state is None or not state.first_chunk <= first <= state.covered_until:
+            if state is not None and state.phase != "done":
+                self._finish(state, "superseded", 0)
+            state = self._begin(req_id, match, keys, first, last, num_computed)
+        if state.phase == "done":
+            return False
+        landed = first - state.first_chunk
         if state.phase == "lookup":
             assert state.lookup is not None
             if not state.lookup.done():
-                if time.monotonic() < state.deadline:
+                if self._may_wait(state, 0):
                     return True
-                state.phase = "done"
-                self.stats.record_fallback("l3_unavailable")
+                if self.hit_policy == "cost":
+                    self.stats.record_l3_declined(FETCH_TOO_SLOW, state.end_chunk - first)
+                    keys_looked_up = list(keys[state.first_chunk : state.end_chunk])
+                    self.background.keep(state.lookup, keys_looked_up)
+                else:
+                    self.stats.record_fallback("l3_unavailable")
+                self._finish(state, "lookup_too_slow", 0)
                 return False
             try:
                 present = state.lookup.result()
             except Exception:  # a storage bug must never reach the scheduler thread
                 logger.exception("DraftOffloadConnector: unexpected L3 lookup error; recomputing")
                 self.stats.record_fallback("l3_lookup_failed")
-                state.phase = "done"
+                self._finish(state, "lookup_failed", 0)
                 return False
             self.cost.storage.observe_round_trip(time.perf_counter() - state.lookup_started)
             self._start_fetches(req_id, state, keys, present)
+        if state.phase in ("probe", "fetch") and state.jobs:
+            if self._may_wait(state, landed):
+                return True
+            self._give_up(state, landed)
+            return False
         if state.phase == "probe":
-            if state.jobs and time.monotonic() < state.probe_deadline:
-                return True
-            self._after_probe(req_id, state, keys)
+            self._after_probe(req_id, state, keys, landed)
+            if state.phase == "fetch":
+                return True  # its fetches start with this step
         if state.phase == "fetch":
-            if state.jobs and time.monotonic() < state.deadline + self.timeout_s:
-                return True
-            state.phase = "done"
+            self._finish(state, self._outcome(state, landed), landed)
         return False
+
+    @staticmethod
+    def _outcome(state: L3RequestState, landed: int) -> str:
+        """How a lookup that stops waiting with `landed` leading chunks in ended."""
+        if not state.hits:
+            return "superseded"  # the CPU tier got the chunks meanwhile
+        if landed >= state.hits:
+            return "fetched"
+        return "partial" if landed else "fetch_failed"
+
+    def _begin(
+        self,
+        req_id: str,
+        match: PrefixMatch,
+        keys: Sequence[bytes],
+        first: int,
+        last: int,
+        num_computed: int,
+    ) -> L3RequestState:
+        count = last - first
+        decision = L3Decision(
+            req_id,
+            self.hit_policy,
+            cpu_chunks=first - num_computed // self.chunk_size,
+            first_chunk=first,
+            range_chunks=count,
+            recompute_s=self.cost.recompute_chunks_s(first, count),
+            estimate_source=self.cost.prefill.source,
+        )
+        state = L3RequestState(first, last, decision, covered_until=first)
+        self._requests[req_id] = state
+        if self.hit_policy == "cost":
+            storage = self.cost.storage
+            if decision.recompute_s is None:
+                # Nothing to weigh a wait against: recompute (the first prefill step
+                # measures the engine; a calibration would have told it). Storage is
+                # still looked up and measured in the background, for later requests.
+                self.stats.record_l3_declined(SPEED_UNKNOWN, count)
+                state.covered_until = last
+                if storage.stale():
+                    self.background.look_up(self.lookup.lookup, list(keys[first:last]))
+                self._finish(state, "declined:" + SPEED_UNKNOWN, 0)
+                return state
+            if not storage.stale() and not self.cost.chunks_worth_loading(first, count, True):
+                # Even a full hit would load slower than recompute: skip the round trip.
+                self.stats.record_l3_declined(NOT_LOOKED_UP, count)
+                decision.load_s = storage.load_s(count) + storage.round_trip_s
+                state.covered_until = last
+                self._finish(state, "declined:" + NOT_LOOKED_UP, 0)
+                return state
+        # Pin the head before the lookup's answer reserves placeholders.
+        self._pin(req_id, (view.handle for _, view in match.chunks))  # type: ignore[misc]
+        state.lookup_started = time.perf_counter()
+        state.lookup = self.lookup.lookup(list(keys[first:last]))
+        return state
+
+    def _may_wait(self, state: L3RequestState, landed: int) -> bool:
+        """May the request wait on storage any longer, with `landed` chunks in?
+        `always`: the lookup, then the fetches, each within l3.timeout_s; `cost`:
+        CostModel.may_wait."""
+        now = time.monotonic()
+        if landed > state.landed:
+            state.landed, state.progress = landed, now
+        if self.hit_policy != "cost":
+            return now - state.started < self.timeout_s * (1 if state.phase == "lookup" else 2)
+        wait, state.decision.allowance_s = self.cost.may_wait(
+            state.phase,
+            waited_s=now - state.started,
+            stalled_s=now - state.progress,
+            first_chunk=state.first_chunk,
+            num_chunks=state.end_chunk - state.first_chunk,
+            landed=landed,
+            coming=state.decision.wanted - landed,
+        )
+        return wait
 
     def _start_fetches(
         self, req_id: str, state: L3RequestState, keys: Sequence[bytes], present: list[bool]
@@ -181,52 +295,90 @@ class L3Prefetch:
                 break
             hits += 1
         self.stats.record_lookup("l3", hits, len(present) - hits)
-        wanted = hits
-        state.hits = hits
-        if self.hit_policy == "cost" and hits and self.cost.storage.samples == 0:
-            # Storage speed unknown: fetch this request's first chunk as a probe and
-            # wait for it briefly (a bounded share of the recompute it would save).
-            wait_s = self.cost.probe_wait_s(state.first_chunk, hits)
-            job_id = self._reserve_fetch(req_id, keys[state.first_chunk]) if wait_s else None
-            if job_id is not None:
-                state.phase = "probe"
-                state.probe_deadline = time.monotonic() + wait_s
-                state.checked_until = state.first_chunk + hits
-                state.jobs.add(job_id)
-                return
-        if self.hit_policy == "cost" and hits:
-            wanted = self.cost.chunks_worth_loading(state.first_chunk, hits, round_trip=False)
-            if wanted < hits:
-                self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, hits - wanted)
-            if not wanted and self.cost.storage.stale():
-                # Measure the storage with one unit, in the background: the request
-                # recomputes, and the unit lands in the CPU tier for later requests.
-                self._reserve_fetch(None, keys[state.first_chunk])
-        state.phase = "fetch" if wanted else "done"
-        state.checked_until = state.first_chunk + max(hits, 1)
-        self._fetch_chunks(req_id, state, keys, state.first_chunk, wanted)
-
-    def _after_probe(self, req_id: str, state: L3RequestState, keys: Sequence[bytes]) -> None:
-        """The probe landed (or its wait ran out): fetch what the measured speed pays for."""
-        # The probe chunk sits in the CPU tier now, unless it failed or is still coming.
-        probed = 1 if not state.jobs and self.cost.storage.samples else 0
-        if state.jobs:
-            # Too slow to wait for: recompute. The fetch finishes in the background
-            # and still times the storage for later requests.
-            for job_id in state.jobs:
-                self.fetch_units[job_id] = (None, self.fetch_units[job_id][1])
-            state.jobs.clear()
-        wanted = 0
-        if probed and self.cost.storage.samples:
-            wanted = self.cost.chunks_worth_loading(state.first_chunk, state.hits, False)
-        taken = max(probed, wanted)
-        if taken < state.hits:
-            self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, state.hits - taken)
-        state.phase = "done"
-        if wanted <= 1:
+        first = state.first_chunk
+        state.hits = state.decision.found = hits
+        state.covered_until = first + hits
+        if hits:
+            self._found(keys[first : first + hits])
+        if not hits:
+            self._finish(state, "miss", 0)
             return
-        state.phase = "fetch"
-        self._fetch_chunks(req_id, state, keys, state.first_chunk + 1, wanted - 1)
+        storage = self.cost.storage
+        if self.hit_policy != "cost":
+            self._fetch_chunks(req_id, state, keys, first, hits, "fetch")
+            return
+        state.progress = time.monotonic()
+        if storage.samples == 0:
+            # Storage speed unknown: fetch one unit as the probe (one lands soonest);
+            # the wait allowance bounds what it may cost.
+            if self._fetch_chunks(req_id, state, keys, first, 1, "probe"):
+                state.decision.probe = "1 unit sent"
+            return
+        wanted = self.cost.chunks_worth_loading(first, hits, round_trip=False)
+        self._note_estimate(state, wanted or hits)
+        if wanted < hits:
+            self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, hits - wanted)
+        if not wanted:
+            if storage.stale() and self.background.probe(keys[first]):
+                state.decision.probe = "1 unit in the background"
+            self._finish(state, "declined:" + SLOWER_THAN_RECOMPUTE, 0)
+            return
+        self._fetch_chunks(req_id, state, keys, first, wanted, "fetch")
+
+    def _after_probe(
+        self, req_id: str, state: L3RequestState, keys: Sequence[bytes], landed: int
+    ) -> None:
+        """The probe round landed: fetch what the measured speed pays for."""
+        decision = state.decision
+        decision.probe = (
+            f"{landed}/{decision.wanted} landed in {time.monotonic() - decision.started:.4f} s"
+        )
+        if not landed or self.cost.storage.samples == 0:
+            self._finish(state, "probe_failed", landed)  # refused or failed: counted there
+            return
+        rest = state.hits - landed
+        wanted = self.cost.chunks_worth_loading(state.first_chunk + landed, rest, False)
+        self._note_estimate(state, wanted or rest)
+        if wanted < rest:
+            self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, rest - wanted)
+        if not wanted:
+            self._finish(state, "fetched" if not rest else "partial", landed)
+            return
+        state.progress = time.monotonic()
+        self._fetch_chunks(req_id, state, keys, state.first_chunk + landed, wanted, "fetch")
+
+    def _note_estimate(self, state: L3RequestState, units: int) -> None:
+        storage = self.cost.storage
+        state.decision.load_s = storage.load_s(units)
+        state.decision.unit_s = storage.unit_s
+
+    def _give_up(self, state: L3RequestState, landed: int) -> None:
+        """The wait allowance ran out: admit with what landed; the rest finish in the
+        background (and time the storage for later requests)."""
+        # A probe's abandon gives up the whole hit; later, only the chunks chosen (the
+        # rest were counted as slower when chosen).
+        chosen = state.hits if state.phase == "probe" else state.decision.wanted
+        given_up = max(0, chosen - landed)
+        if given_up:
+            self.stats.record_l3_declined(FETCH_TOO_SLOW, given_up)
+        if state.decision.probe.endswith("sent"):
+            state.decision.probe = f"abandoned with {landed}/{state.decision.wanted} landed"
+        outcome = "partial" if landed else "declined:" + FETCH_TOO_SLOW
+        self._finish(state, outcome, landed)
+
+    def _finish(self, state: L3RequestState, outcome: str, landed: int) -> None:
+        """The request stops waiting: fetches still in flight finish in the background
+        (into the CPU tier, timing the storage); the decision is logged."""
+        for job_id in state.jobs:
+            self.fetch_units[job_id] = (None, self.fetch_units[job_id][1])
+        state.jobs.clear()
+        state.phase = "done"
+        decision = state.decision
+        decision.outcome = outcome
+        decision.landed = landed
+        if self.cost.storage.samples and decision.unit_s is None:
+            decision.unit_s = self.cost.storage.unit_s
+        self.log.record(decision)
 
     def _fetch_chunks(
         self,
@@ -235,15 +387,26 @@ class L3Prefetch:
         keys: Sequence[bytes],
         first: int,
         count: int,
-    ) -> None:
-        """Fetch chunks [first, first + count) for the request, as far as slots allow."""
+        phase: str,
+    ) -> bool:
+        """Fetch chunks [first, first + count) for the request, as far as slots allow,
+        and wait on them in `phase`; False (the request stops waiting): no free slot."""
         for chunk in range(first, first + count):
             job_id = self._reserve_fetch(req_id, keys[chunk])
             if job_id is None:
                 break  # no free slot that is not this request's own: recompute the rest
             state.jobs.add(job_id)
+            state.decision.wanted += 1
         if not state.jobs:
-            state.phase = "done"
+            landed = first - state.first_chunk
+            self._finish(state, "partial" if landed else "no_free_slot", landed)
+            return False
+        state.phase = phase
+        return True
+
+    def _found(self, chunk_keys: Sequence[bytes]) -> None:
+        if self.on_found is not None:
+            self.on_found(chunk_keys)
 
     def _reserve_fetch(self, req_id: str | None, chunk_key: bytes) -> int | None:
         job_id = self.new_job_id()
@@ -267,12 +430,15 @@ class L3Prefetch:
     def fetch_finished(self, job_id: int, successors: list[int] | None, cause: str | None) -> None:
         """All workers answered a fetch: publish the unit, or drop it and say why."""
         req_id, placeholder = self.fetch_units.pop(job_id)
+        self.background.fetch_finished(job_id)
         state = self._requests.get(req_id) if req_id is not None else None
         if state is not None:
             state.jobs.discard(job_id)
         if successors is None or cause is not None:
             self.index.remove(placeholder)
             self.stats.record_refused(cause or "l3_corrupt")
+            if self.on_unusable is not None:
+                self.on_unusable(placeholder[0])  # storage does not hold it usably
             if cause == RANK_MISMATCH:
                 # Ranks hold different units under one name: never fetch it again.
                 self.lookup.mark_broken(placeholder[0])
@@ -307,8 +473,23 @@ class L3Prefetch:
         return state is not None and state.phase in ("lookup", "probe", "fetch")
 
     def forget(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+        state = self._requests.pop(req_id, None)
+        if state is not None and state.phase != "done":
+            self._finish(state, "aborted", 0)  # finished while it waited
         self._unpin_all(req_id)
+
+    def on_step_output(self) -> None:
+        """A step's output came back: time it, and share the prefill fit when new."""
+        self.cost.step_output()
+        self.background.poll()
+        if self.calibration is not None:
+            self.calibration.maybe_save(self.cost.prefill)
+
+    def close(self) -> None:
+        """Engine shutdown: write this engine's prefill calibration, summarise."""
+        if self.calibration is not None:
+            self.calibration.save_now(self.cost.prefill)
+        self.log.summary()
 
     def reset(self) -> None:
         """Forget what this engine learnt about storage contents (cache reset)."""

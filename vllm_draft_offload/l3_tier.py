@@ -401,6 +401,22 @@ class SchedulerL3:
     def lookup(self, chunk_keys: list[bytes]) -> Future[list[bool]]:
         return self._pool.submit(self._contains, chunk_keys)
 
+    def read_object(self, name: str) -> Future[bytes | None]:
+        """A small non-unit object (the calibration), or None when absent."""
+        return self._pool.submit(self._read, name)
+
+    def write_object(self, name: str, data: bytes) -> Future[None]:
+        return self._pool.submit(self._write, name, data)
+
+    def _read(self, name: str) -> bytes | None:
+        if self.store is None:
+            return None
+        return self.store.get(name)
+
+    def _write(self, name: str, data: bytes) -> None:
+        if self.store is not None:
+            self.store.put(name, data)
+
     def is_broken(self, chunk_key: bytes) -> bool:
         with self._lock:
             return chunk_key in self._broken

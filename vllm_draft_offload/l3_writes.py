@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -286,6 +286,19 @@ class L3WritePlanner:
             logger.warning("DraftOffloadConnector: removing partial L3 unit failed: %s", exc)
 
     # ------------------------------------------------------------------ state
+
+    def mark_in_storage(self, chunk_keys: Sequence[bytes]) -> None:
+        """A lookup found these units in storage (another engine, or an earlier start,
+        wrote them): a store of the same chunk does not write them again."""
+        for key in chunk_keys:
+            if key not in self._by_key:
+                self.written.add(key)
+                self.absent.discard(key)
+
+    def mark_not_in_storage(self, chunk_key: bytes) -> None:
+        """A unit found in storage could not be fetched (missing, corrupt, ranks
+        disagree): the next store of it writes it again."""
+        self.written.discard(chunk_key)
 
     def known_absent(self, chunk_key: bytes) -> bool:
         """This engine knows the unit is not (wholly) in storage."""

@@ -47,7 +47,16 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
 )
 # Why storage hits were not fetched (l3.hit_policy=cost).
 # not_looked_up: the lookup was skipped since even a full hit would be slower.
-L3_DECLINE_CAUSES: Final[tuple[str, ...]] = ("slower_than_recompute", "not_looked_up")
+# Why storage hits were not fetched (l3.hit_policy=cost).
+# not_looked_up: the lookup was skipped since even a full hit would be slower;
+# speed_unknown: not looked up since the engine's prefill speed is not known yet;
+# fetch_too_slow: the lookup or fetch did not land within the request's wait allowance.
+L3_DECLINE_CAUSES: Final[tuple[str, ...]] = (
+    "slower_than_recompute",
+    "not_looked_up",
+    "speed_unknown",
+    "fetch_too_slow",
+)
 # Outcomes of the sampled recompute audit, per stored unit compared.
 AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")
 
@@ -95,8 +104,8 @@ REFUSALS = _counter(
 FALLBACKS = _counter("fallbacks", "Restores that fell back to recompute, by cause.", "cause")
 L3_DECLINED = _counter(
     "l3_declined_chunks",
-    "Storage (L3) chunks found but recomputed instead, because loading them was "
-    "estimated slower (l3.hit_policy=cost), by cause.",
+    "Storage (L3) chunks recomputed instead of fetched under l3.hit_policy=cost, by "
+    "cause: estimated slower, not looked up, engine speed unknown, fetch too slow.",
     "cause",
 )
 AUDIT_RECOMPUTE = _counter(

@@ -128,6 +128,7 @@ class DraftOffloadScheduler:
                 self.stats,
                 lambda: next(self._job_ids),
                 layout.unit_bytes,
+                salt=self.salt,
             )
         self.l3_writes: L3WritePlanner | None = None
         if self.l3 is not None:
@@ -140,6 +141,10 @@ class DraftOffloadScheduler:
                 lambda: next(self._job_ids),
                 part_remover(self.l3.lookup.store, world_size),
             )
+            # A unit a lookup found is in storage: recomputing it writes it again only
+            # if its fetch then failed.
+            self.l3.on_found = self.l3_writes.mark_in_storage
+            self.l3.on_unusable = self.l3_writes.mark_not_in_storage
         self.audit = RecomputeAudit(
             config.audit_recompute_fraction,
             self.index,
@@ -376,7 +381,8 @@ class DraftOffloadScheduler:
                     (n, state.request.num_computed_tokens if state is not None else 0)
                     for r, n in scheduler_output.num_scheduled_tokens.items()
                     for state in (self._requests.get(r),)
-                ]
+                ],
+                loads=bool(meta.loads),
             )
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         loading = blocks_being_loaded(meta.loads)
@@ -451,7 +457,7 @@ class DraftOffloadScheduler:
     def on_step_output(self) -> None:
         """vLLM processed one step's output (called every step, unlike the method below)."""
         if self.l3 is not None:
-            self.l3.cost.step_output()
+            self.l3.on_step_output()
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -566,6 +572,8 @@ class DraftOffloadScheduler:
     def shutdown(self) -> None:
         if self.l3_writes is not None:
             self.l3_writes.close()
+        if self.l3 is not None:
+            self.l3.close()
 
     def has_finishing_stores(self) -> bool:
         return any(

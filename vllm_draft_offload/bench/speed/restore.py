@@ -16,7 +16,14 @@ another, on the same prompts:
   evicted from the page cache, `ours_l3` (warm) with them cached.
 
 The L3 tier runs with the connector's DEFAULT settings; `--l3-io-threads`,
-`--l3-backlog-gib` and `--l3-staging-mb` override them. For `ours_l3` the report
+`--l3-backlog-gib`, `--l3-staging-mb` and `--l3-hit-policy` override them. Only
+`l3.log_decisions` is turned on (it changes no behaviour): each config's entry in
+the report keeps the connector's per-request storage decisions (`l3_decisions`:
+what the CPU tier and storage held, fetched or declined and why, estimated load and
+recompute times, the probe) and the tail of the child's output (`log_tail`). The
+fill engine's first request (its warm-up, a fresh engine's first 16k prefill) is
+the baseline of a restarted engine's first prompt (`first_request_s`), since a
+fresh engine's first request is slower than its later ones. For `ours_l3` the report
 has the units found in storage once writes settle against the units expected
 (whole chunks of every prompt), the connector's own stored/dropped counters, the
 sustained L3 write throughput (bytes of the unit files over the time from the
@@ -138,7 +145,8 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
         if args.config.startswith("ours_l3"):
             # Defaults unless a flag says otherwise: the benchmark measures what a user
             # who only turns L3 on gets.
-            l3: dict[str, Any] = {"enabled": True}
+            # log_decisions: the per-request storage decisions at INFO (no behaviour).
+            l3: dict[str, Any] = {"enabled": True, "log_decisions": True}
             if args.l3_io_threads:
                 l3["io_threads"] = args.l3_io_threads
             if args.l3_backlog_gib:
@@ -172,8 +180,27 @@ def _loaded_by_connector() -> tuple[float, float]:
 
 
 def unit_files(directory: Path) -> list[Path]:
-    """Whole units in an fs:// directory (temp files of writes in flight end in .tmp)."""
-    return sorted(directory.glob("*.data"))
+    """Whole units in an fs:// directory (temp files of writes in flight end in .tmp;
+    the engines' prefill calibration is not a unit)."""
+    from vllm_draft_offload.l3_calibration import is_calibration_file
+
+    return sorted(p for p in directory.glob("*.data") if not is_calibration_file(p.name))
+
+
+# Lines of a child's output worth keeping in the report: the connector's storage
+# decisions and calibration, and anything it warned about.
+LOG_MARKERS = ("L3 decision", "prefill calibration", "DraftOffloadConnector")
+LOG_TAIL_CHARS = 4000
+
+
+def connector_log(stdout: str, stderr: str = "") -> dict[str, Any]:
+    """The connector's lines from a child's output (vLLM logs to stdout by default),
+    and the tail of each stream."""
+    lines = (stdout + "\n" + stderr).splitlines()
+    return {
+        "l3_decisions": [line for line in lines if any(m in line for m in LOG_MARKERS)][-400:],
+        "log_tail": {"stdout": stdout[-LOG_TAIL_CHARS:], "stderr": stderr[-LOG_TAIL_CHARS:]},
+    }
 
 
 def write_throughput(files: list[Path]) -> dict[str, Any]:
@@ -231,7 +258,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     ``ours_l3_fill`` prefills the prompts and waits for their L3 writes;
     ``ours_l3`` is the restarted engine: its first hit of each prompt comes from
     L3 (``hit_s``), a second one after a GPU-cache reset from the CPU tier the
-    first one filled (``cpu_hit_s``); ``fresh_s`` there are new prompts.
+    first one filled (``cpu_hit_s``); ``fresh_s`` there are new prompts (other
+    ones in each restart: the first restart writes its own to storage).
     """
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -298,12 +326,16 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
     results: dict[str, Any] = {"config": args.config, "fresh_s": []}
     if args.config in ("ours_l3", "ours_l3_cold"):
+        # Prompts neither the fill engine nor the other restart wrote to storage.
+        fresh_seed = 100 if args.config == "ours_l3_cold" else 200
         for rep in range(args.reps):
             hit(rep, results)  # from L3: this engine's CPU tier starts empty
             hit(rep, results, "cpu_")
-            results["fresh_s"].append(timed(prompt(100 + rep))[0])
+            results["fresh_s"].append(timed(prompt(fresh_seed + rep))[0])
         return results
-    timed(prompt(10_000))  # compile/warm-up
+    # Compile/warm-up; also the TTFT of a fresh engine's first request, the baseline
+    # of a restarted engine's first prompt.
+    results["first_request_s"] = timed(prompt(10_000))[0]
     for rep in range(args.reps):
         results["fresh_s"].append(timed(prompt(rep))[0])
         if args.config != "ours_l3_fill":
@@ -424,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
             report["configs"][config] = {"error": proc.stderr[-3000:]}
         else:
             report["configs"][config] = json.loads(child_out.read_text())
+        report["configs"][config].update(connector_log(proc.stdout, proc.stderr))
         print(config, json.dumps(report["configs"][config])[:400], flush=True)
     summarize(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -478,6 +511,18 @@ def summarize(report: dict[str, Any]) -> None:
             summary[name]["ttft_vs_recompute_per_prompt"] = (
                 [h / (base or own) for h in hit] if (base or own) else None
             )
+            # The first prompt is this engine's first request: against another fresh
+            # engine's first request (the fill engine's warm-up), same prompt length.
+            first = configs.get("ours_l3_fill", {}).get("first_request_s")
+            summary[name]["first_request_recompute_s"] = first
+            summary[name]["first_prompt_vs_first_request_recompute"] = (
+                hit[0] / first if first else None
+            )
+            summary[name]["storage_decisions"] = [
+                line[line.index("L3 decision") :]
+                for line in result.get("l3_decisions", [])
+                if "L3 decision req=" in line
+            ]
     pinned = report.get("pinned_h2d_GBps")
     if "ours" in summary and pinned and summary["ours"]["restore_GBps_connector"]:
         summary["ours"]["restore_vs_pinned_memcpy"] = (
