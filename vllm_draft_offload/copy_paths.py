@@ -194,6 +194,11 @@ class CopyEngine:
                 )
                 launch_kernel(desc, stream, self.chunk_bytes)
             stream.synchronize()
+            # torch caches page-locked blocks by power-of-two size; allocating one
+            # (cudaHostAlloc) can stall the device, so the descriptor tables' sizes
+            # (up to 2**17 copies) are allocated now and cached for the copies.
+            cached = [torch.empty(3 << k, dtype=torch.int64, pin_memory=True) for k in range(18)]
+            del cached
         except Exception as exc:  # a broken Triton install must not stop serving
             return f"the kernel failed to build or run ({exc!r})"
         return None

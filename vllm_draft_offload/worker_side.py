@@ -447,8 +447,10 @@ class DraftOffloadWorker:
                 store.event = torch.cuda.Event(enable_timing=True)
                 store.event.record(self._store_stream)
             else:
+                started = time.perf_counter()
                 self.copier.run(desc, "store", None)
-                self.stats.record_transfer("store", "cpu", *store.sizes, None)
+                seconds = time.perf_counter() - started
+                self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
             self._stores.append(store)
 
     def _poll_stores(self) -> set[str]:
