@@ -28,6 +28,7 @@ SHARED = {
     "table": {OUT},
     "bench": {FIX, OUT, EAGER},
     "restore-speed": {OUT, EAGER},
+    "copy-speed": {OUT},
     "l3-speed": {OUT},
     "shared-storage": {FIX, OUT, EAGER},
     "pressure": {FIX, OUT, EAGER},

@@ -51,6 +51,30 @@ def test_round_trip_is_bit_exact_for_every_layer(
     assert eng.outputs["restored"] == eng.outputs["fresh"]
 
 
+@pytest.mark.parametrize("copy_path", ["kernel", "memcpy"])
+def test_copy_path_setting_round_trips_and_stores_are_timed(
+    model_dirs: tuple[Path, Path], copy_path: str
+) -> None:
+    """Any copy_path reaches the worker; on CPU tensors every copy is memmove, and
+    stores carry a duration (the store GB/s of `restore-speed`), like loads."""
+    eng = engine(model_dirs, extra_config={"copy_path": copy_path})
+    worker = eng.worker.worker
+    assert worker.copier.setting == copy_path and worker.copier.path == "memcpy"
+    tokens = prompt(3, 2 * CHUNK + 3)
+    eng.take_published()
+    eng.add_request("fresh", tokens, max_tokens=2)
+    eng.run_until_done()
+    stored = eng.take_published()
+    unit = worker.layout.unit_bytes
+    assert stored["timed_bytes"]["store/cpu"] == 2 * unit
+    assert stored["seconds"]["store/cpu"] > 0
+    eng.evict_gpu_kv()
+    eng.add_request("restored", tokens, max_tokens=2)
+    eng.run_prefill("restored")
+    assert eng.external_hits["restored"] == 2 * CHUNK
+    assert eng.mismatched_positions("restored") == []
+
+
 def test_corrupt_host_copy_is_detected(model_dirs: tuple[Path, Path]) -> None:
     """Negative control: the bit-exact check notices a damaged draft layer."""
     eng = engine(model_dirs)

@@ -1,4 +1,5 @@
-"""`vllm-draft-offload restore-speed`: L3 bookkeeping on CPU (the engines need a GPU)."""
+"""`vllm-draft-offload restore-speed`: its bookkeeping and speed table on CPU (the engines
+need a GPU)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import os
 import time
 from pathlib import Path
+
+import pytest
 
 from vllm_draft_offload.bench.speed import restore as restore_speed
 from vllm_draft_offload.l3_calibration import object_name
@@ -110,3 +113,100 @@ def test_connector_log_keeps_decisions_and_the_tail() -> None:
     ]
     assert got["log_tail"]["stdout"].endswith("more noise")
     assert got["log_tail"]["stderr"] == "LMCache noise"
+
+
+def test_small_shape_is_a_1b_geometry_with_a_two_layer_drafter() -> None:
+    target, draft = restore_speed.SHAPES["small"]
+    assert (target["num_hidden_layers"], target["num_key_value_heads"], target["head_dim"]) == (
+        16, 8, 64,
+    )  # fmt: skip
+    assert draft["num_hidden_layers"] == 2 and draft["head_dim"] == 64
+    # K and V of 16 tokens, bf16: 32 KiB a layer (the Llama-8B shape's is 64 KiB).
+    assert restore_speed.page_bytes(target) == 32 * 1024
+    assert restore_speed.page_bytes(restore_speed.LLAMA8B) == 64 * 1024
+    assert restore_speed.kv_bytes_per_token(target) == 16 * 2 * 8 * 64 * 2
+
+
+def test_copy_path_reaches_our_connector_only_when_given() -> None:
+    extra = restore_speed.connector_config(args(config="ours"))["kv_connector_extra_config"]
+    assert "copy_path" not in extra  # the connector's own default
+    extra = restore_speed.connector_config(args(config="ours", copy_path="memcpy"))[
+        "kv_connector_extra_config"
+    ]
+    assert extra["copy_path"] == "memcpy"
+    native = restore_speed.connector_config(args(config="native", copy_path="memcpy"))
+    assert "copy_path" not in native["kv_connector_extra_config"]
+
+
+def _shape_report(name: str, ours_hits: list[float], native_hits: list[float]) -> dict:
+    return {
+        "shape_name": name,
+        "page_bytes": {"target": 32768, "draft": 32768},
+        "copy_path": "auto (connector default)",
+        "tokens": 1024,
+        "kv_bytes_per_token": 100,
+        "pinned_h2d_GBps": 50.0,
+        "pinned_d2h_GBps": 40.0,
+        "configs": {
+            "recompute": {"fresh_s": [1.0, 1.0, 1.0]},
+            "native": {"fresh_s": [1.0], "hit_s": native_hits, "hit_cached": [1023] * 3},
+            "ours": {
+                "fresh_s": [1.0], "hit_s": ours_hits, "hit_cached": [1023] * 3,
+                "restore_GBps_metric": [44.0, 45.0, 46.0], "store_GBps_metric": [30.0, 36.0, 38.0],
+            },
+        },
+    }  # fmt: skip
+
+
+def test_summary_and_table_give_copy_ratios_and_first_and_steady_hits() -> None:
+    report = _shape_report("small", ours_hits=[0.3, 0.1, 0.1], native_hits=[1.3, 0.2, 0.2])
+    restore_speed.summarize(report)
+    ours = report["summary"]["ours"]
+    assert ours["restore_vs_pinned_memcpy"] == 45.0 / 50.0
+    assert ours["store_GBps_connector"] == 36.0 and ours["store_vs_pinned_memcpy"] == 36.0 / 40.0
+    assert ours["ratio_to_recompute_first"] == 0.3 and ours["ratio_to_recompute"] == 0.1
+    assert report["summary"]["ours_vs_native_ttft"] == 0.5
+    assert abs(report["summary"]["ours_vs_native_ttft_first"] - 0.3 / 1.3) < 1e-12
+    row = restore_speed.table_row("small", report)
+    assert row == {
+        "shape": "small", "page_bytes": 32768, "copy_path": "auto (connector default)",
+        "restore_GBps": 45.0, "restore_vs_pinned_memcpy": 0.9,
+        "store_GBps": 36.0, "store_vs_pinned_memcpy": 0.9,
+        "recompute_ttft_s": 1.0, "hit_ttft_s_first": 0.3, "hit_ttft_s_steady": 0.1,
+        "first_vs_recompute": 0.3, "steady_vs_recompute": 0.1,
+        "native_first_vs_recompute": 1.3, "native_steady_vs_recompute": 0.2,
+        "first_vs_native": 0.3 / 1.3, "steady_vs_native": 0.5,
+    }  # fmt: skip
+
+
+def test_a_failed_or_missing_configuration_leaves_its_cells_empty() -> None:
+    report = _shape_report("llama8b", [0.3, 0.1, 0.1], [1.3, 0.2, 0.2])
+    report["configs"]["native"] = {"error": "engine died"}
+    del report["configs"]["ours"]["store_GBps_metric"]
+    restore_speed.summarize(report)
+    row = restore_speed.table_row("llama8b", report)
+    assert row["store_GBps"] is None and row["store_vs_pinned_memcpy"] is None
+    assert row["first_vs_native"] is None and row["native_steady_vs_recompute"] is None
+    assert row["restore_vs_pinned_memcpy"] == 0.9  # what did run is still there
+
+
+def test_one_shape_keeps_its_layout_and_several_go_under_shapes() -> None:
+    common = {"gpu": "H100", "pinned_h2d_GBps": 50.0, "pinned_d2h_GBps": 40.0}
+    small = _shape_report("small", [0.3, 0.1, 0.1], [1.3, 0.2, 0.2])
+    big = _shape_report("llama8b", [0.5, 0.2, 0.2], [1.5, 0.4, 0.4])
+    for report in (small, big):
+        restore_speed.summarize(report)
+    one = restore_speed.combine({"small": small}, common)
+    assert one["summary"] is small["summary"] and one["configs"] is small["configs"]
+    assert [row["shape"] for row in one["table"]] == ["small"]
+    both = restore_speed.combine({"small": small, "llama8b": big}, common)
+    assert set(both["shapes"]) == {"small", "llama8b"} and both["gpu"] == "H100"
+    assert [row["shape"] for row in both["table"]] == ["small", "llama8b"]
+    assert both["table"][1]["steady_vs_native"] == 0.5
+
+
+def test_unknown_or_repeated_shapes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for shape in ("small,huge", "small,small"):
+        with pytest.raises(SystemExit):
+            restore_speed.main(["--out", "/tmp/never.json", "--shape", shape])
+        assert "--shape" in capsys.readouterr().err

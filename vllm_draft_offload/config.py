@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # Keys LMCache reads itself; they are passed through to the L3 tier untouched.
 LMCACHE_KEY_PREFIX = "lmcache."
+# How pages move between GPU blocks and the CPU tier (copy_paths.py).
+CopyPath = Literal["auto", "memcpy", "kernel"]
 
 
 class ConfigError(ValueError):
@@ -91,6 +93,9 @@ class DraftOffloadConfig(BaseModel):
     # Largest relative error a recomputed layer may show; None: chosen by the
     # layer's KV dtype (audit.DEFAULT_TOLERANCE).
     audit_tolerance: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    # memcpy: batched DMA; kernel: vLLM's Triton gather/scatter kernel; auto: per
+    # batch, by the size and number of its runs of pages (copy_paths.py).
+    copy_path: CopyPath = "auto"
     l3: L3Config = Field(default_factory=L3Config)
     # Mixed into every key: bumping it makes everything stored under another
     # generation unreachable (storage is shared and survives resets and restarts).

@@ -87,6 +87,10 @@ class Descriptors:
         starts = np.flatnonzero(np.concatenate(([True], ~follows)))
         return Descriptors(self.src[starts], self.dst[starts], np.add.reduceat(self.sizes, starts))
 
+    def select(self, mask: np.ndarray) -> Descriptors:
+        """The descriptors where ``mask`` is true, in order."""
+        return Descriptors(self.src[mask], self.dst[mask], self.sizes[mask])
+
     @staticmethod
     def concat(parts: list[Descriptors]) -> Descriptors:
         if not parts:

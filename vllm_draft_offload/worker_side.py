@@ -28,6 +28,7 @@ import torch
 from vllm_draft_offload.async_loads import AsyncLoads
 from vllm_draft_offload.audit import RecomputeComparer
 from vllm_draft_offload.config import DraftOffloadConfig
+from vllm_draft_offload.copy_paths import CopyEngine
 from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
@@ -42,8 +43,6 @@ from vllm_draft_offload.transfers import (
     LayerRegion,
     build_layer_regions,
     layer_descriptors,
-    run_descriptors_on_host,
-    run_descriptors_on_stream,
 )
 from vllm_draft_offload.unit_codec import checksum
 
@@ -62,6 +61,10 @@ class InflightStore:
     keepalive: list[torch.Tensor] = field(default_factory=list)
     # Not executed: reported failed with this cause, so the scheduler drops its units.
     failed_cause: str | None = None
+    # On a GPU: when the copy started on the store stream, and what it moves, recorded
+    # with its duration once it completes.
+    start: torch.cuda.Event | None = None
+    sizes: tuple[int, int, int] = (0, 0, 0)  # target bytes, draft bytes, chunks
 
 
 @dataclass
@@ -98,6 +101,7 @@ class DraftOffloadWorker:
         self.draft_layer_names = draft_layer_names
         self.layout: UnitLayout | None = None
         self.pool: HostPool | None = None
+        self.copier: CopyEngine | None = None
         self.regions: list[LayerRegion] = []
         self._aliases: dict[str, str] = {}
         self._on_device = False
@@ -150,6 +154,12 @@ class DraftOffloadWorker:
         self._on_device = sample.is_cuda
         num_slots = self.config.cpu_bytes // layout.unit_bytes
         self.pool = HostPool(num_slots, layout.unit_bytes, pin=self._on_device)
+        self.copier = CopyEngine(
+            self.config.copy_path,
+            self.pool,
+            [slot.page_bytes for slot in layout.layers],
+            self._on_device,
+        )
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
@@ -168,7 +178,7 @@ class DraftOffloadWorker:
             self.l3 = WorkerL3(self.config.l3, layout, self.pool, self.drafter_id, self.rank)
         logger.info(
             "DraftOffloadConnector: %d layers (%d draft) in %d group(s), unit %.2f MiB "
-            "(draft %.2f MiB), CPU tier %d units, pinned=%s",
+            "(draft %.2f MiB), CPU tier %d units, pinned=%s, copy_path=%s",
             len(layout.layers),
             sum(layer.is_draft for layer in layout.layers),
             len(layout.groups),
@@ -176,6 +186,7 @@ class DraftOffloadWorker:
             layout.draft_bytes / 2**20,
             num_slots,
             self.pool.pinned,
+            self.copier.path if self._on_device else "memmove (CPU tensors)",
         )
 
     # ------------------------------------------------------------------ loads
@@ -306,18 +317,16 @@ class DraftOffloadWorker:
             start_event.record(self._load_stream)
         last_event: torch.Event | None = None
         keepalive: list[torch.Tensor] = []
+        assert self.copier is not None
         for region in self._ordered_regions():
             desc = Descriptors.concat([copies[region.slot.name] for _, copies in planned])
             num_bytes[region.slot.is_draft] += desc.num_bytes
-            if self._on_device:
-                assert self._load_stream is not None
-                keepalive += run_descriptors_on_stream(desc, self._load_stream)
+            keepalive += self.copier.run(desc, "load", self._load_stream)
+            if self._load_stream is not None:
                 last_event = torch.cuda.Event(enable_timing=True)
                 last_event.record(self._load_stream)
                 if not self.async_loads:
                     self._layer_events[region.slot.name] = last_event
-            else:
-                run_descriptors_on_host(desc)
         if self.async_loads:
             # No forward reads these blocks before every worker reports the
             # request in finished_recving: no waits, only the final event.
@@ -422,22 +431,26 @@ class DraftOffloadWorker:
             draft = sum(
                 p.num_bytes for p, r in zip(parts, self.regions, strict=True) if r.slot.is_draft
             )
-            self.stats.record_transfer(
-                "store",
-                "cpu",
+            store = InflightStore(job, None)
+            store.sizes = (
                 desc.num_bytes - draft,
                 draft,
                 self._num_chunks([job]) if self.counts_chunks else 0,
-                None,
             )
-            store = InflightStore(job, None)
+            assert self.copier is not None
             if self._on_device and desc.num_bytes:
+                # Timed on the store stream, recorded when it completes (_poll_stores).
                 assert self._store_stream is not None
-                store.keepalive = run_descriptors_on_stream(desc, self._store_stream)
-                store.event = torch.cuda.Event()
+                store.start = torch.cuda.Event(enable_timing=True)
+                store.start.record(self._store_stream)
+                store.keepalive = self.copier.run(desc, "store", self._store_stream)
+                store.event = torch.cuda.Event(enable_timing=True)
                 store.event.record(self._store_stream)
             else:
-                run_descriptors_on_host(desc)
+                started = time.perf_counter()
+                self.copier.run(desc, "store", None)
+                seconds = time.perf_counter() - started
+                self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
             self._stores.append(store)
 
     def _poll_stores(self) -> set[str]:
@@ -449,6 +462,9 @@ class DraftOffloadWorker:
                 still_running.append(store)
                 continue
             job = store.job
+            if store.start is not None and store.event is not None:
+                seconds = store.start.elapsed_time(store.event) / 1000.0
+                self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
             if store.failed_cause is not None:
                 self._fail_store(job, store.failed_cause)
             else:

@@ -31,7 +31,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("accept", "accept.check", "acceptance restored vs fresh, or the KV-sensitivity run"),
     Command("table", "accept.table", "the docs' acceptance tables from a directory of results"),
     Command("bench", "workloads.run", "workload benchmark: ours vs vLLM native vs LMCache"),
-    Command("restore-speed", "speed.restore", "TTFT of a restored prefix at the Llama-8B shape"),
+    Command("restore-speed", "speed.restore", "TTFT and copy GB/s of a restore at 8B/1B shapes"),
+    Command("copy-speed", "speed.copy", "copy GB/s by page size: DMA vs Triton kernel vs auto"),
     Command("l3-speed", "speed.l3_fetch", "storage-tier fetch GB/s by threads, next to raw disk"),
     Command("shared-storage", "accept.shared_storage", "two engines, one fs:// dir: B hits A"),
     Command("pressure", "stress.pressure", "working set > GPU cache: outputs, hits, acceptance"),
@@ -42,7 +43,8 @@ BY_NAME: dict[str, Command] = {c.name: c for c in COMMANDS}
 EXAMPLES = f"""shared options, spelled the same in every command that has them:
   --fixtures DIR    the fixture directory `{PROG} fixtures --out DIR` wrote
   --out PATH        where results go: a directory (fixtures, bench, shared-storage,
-                    pressure, soak) or a file (accept, table, restore-speed, l3-speed)
+                    pressure, soak) or a file (accept, table, restore-speed,
+                    copy-speed, l3-speed)
   --enforce-eager   engines without CUDA graphs: faster starts (the default of
                     pressure and soak, whose --compile turns it off)
 

@@ -1,6 +1,7 @@
-"""TTFT of a restored prefix vs recompute, at real KV sizes (a Llama-3-8B shape).
+"""TTFT of a restored prefix vs recompute, at real KV sizes (Llama-3-8B and 1B shapes).
 
     vllm-draft-offload restore-speed --out results/restore_speed.json [--tokens 16384]
+        [--shape llama8b|small|small,llama8b] [--copy-path auto|memcpy|kernel]
 
 Weights are random (`load_format="dummy"`): this measures bytes moved and time,
 not acceptance. Every configuration runs in its own subprocess, one after
@@ -35,7 +36,20 @@ Each runs with a `draft_model` drafter (a small Llama shape, same vocabulary),
 so the drafter's KV is offloaded and restored too. For a hit, a prompt is
 prefilled once, the GPU prefix cache is emptied, and the same prompt is sent
 again with max_tokens=1: its latency is the restored TTFT. The pinned
-host->device copy bandwidth is measured in the same run, as the physical limit.
+host->device and device->host copy bandwidths are measured in the same run, as
+the physical limits of restores and stores; the connector's own copies are timed
+with CUDA events (its `transfer_seconds` counter): restores while hitting, stores
+while prefilling fresh prompts.
+
+Shapes (`--shape`, several comma-separated in one run): `llama8b` (32 layers,
+8 KV heads x 128, 64 KiB pages per block of 16 tokens, 4-layer drafter) and
+`small` (a Llama-3.2-1B shape: 16 layers, 8 KV heads x 64, 32 KiB pages, 2-layer
+drafter). `table` holds one row per shape: restore and store GB/s / pinned
+memcpy, and hit TTFT (first and steady) / recompute and / native. With one shape
+the report keeps its single-shape layout; with several, each shape's report is
+under `shapes`. `--copy-path` sets the connector's `copy_path` (default: the
+connector's default, `auto`); `vllm-draft-offload copy-speed` measures the paths
+page size by page size.
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ from typing import Any
 
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.speed.copy import pinned_memcpy_gbps
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 
 LLAMA8B = {
@@ -70,6 +85,16 @@ DRAFT_SHAPE = {
     "num_key_value_heads": 8,
     "head_dim": 128,
 }
+# Llama-3.2-1B's KV geometry (16 layers, 8 KV heads x 64, hidden 2048), drafter of 2 layers.
+SMALL = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
+SMALL_DRAFT = {**SMALL, "num_hidden_layers": 2}
 TINY = {  # a smoke-test shape (CPU dry run), not a benchmark
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -78,10 +103,14 @@ TINY = {  # a smoke-test shape (CPU dry run), not a benchmark
     "num_key_value_heads": 2,
     "head_dim": 64,
 }
-SHAPES = {"llama8b": (LLAMA8B, DRAFT_SHAPE), "tiny": (TINY, TINY)}
+SHAPES = {"llama8b": (LLAMA8B, DRAFT_SHAPE), "small": (SMALL, SMALL_DRAFT), "tiny": (TINY, TINY)}
+BLOCK_SIZE = 16  # vLLM's default on CUDA: a page holds K and V of 16 tokens
 VOCAB = 128256
+STORED_BYTES = "vllm:draft_offload_stored_bytes_total"
 EXAMPLES = """examples:
   vllm-draft-offload restore-speed --enforce-eager --out $OUT/restore_speed.json
+  vllm-draft-offload restore-speed --enforce-eager --shape small,llama8b --reps 3 \\
+      --configs recompute,native,ours --out $OUT/restore_speed_shapes.json
   vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 3 \\
       --l3-dir /root/l3 --drop-caches --out $OUT/restore_speed_l3.json
 """
@@ -113,23 +142,17 @@ def kv_bytes_per_token(shape: dict[str, int]) -> int:
     return 2 * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
 
 
-def pinned_h2d_gbps(gib: float) -> float:
-    import torch
+def page_bytes(shape: dict[str, int]) -> int:
+    """One layer's page: K and V of a block, bf16."""
+    return kv_bytes_per_token({**shape, "num_hidden_layers": 1}) * BLOCK_SIZE
 
-    nbytes = int(gib * 2**30)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    device.copy_(host, non_blocking=True)  # warm-up
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = 0.0
-    for _ in range(5):
-        start.record()
-        device.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        best = max(best, nbytes / (start.elapsed_time(end) / 1000) / 1e9)
-    return best
+
+def pinned_h2d_gbps(gib: float) -> float:
+    return pinned_memcpy_gbps(int(gib * 2**30), to_device=True)
+
+
+def pinned_d2h_gbps(gib: float) -> float:
+    return pinned_memcpy_gbps(int(gib * 2**30), to_device=False)
 
 
 def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -142,6 +165,8 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
         }
     if args.config.startswith("ours"):
         extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "chunk_size": args.chunk_size}
+        if getattr(args, "copy_path", None):
+            extra["copy_path"] = args.copy_path
         if args.config.startswith("ours_l3"):
             # Defaults unless a flag says otherwise: the benchmark measures what a user
             # who only turns L3 on gets.
@@ -167,16 +192,25 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
     return None
 
 
-def _loaded_by_connector() -> tuple[float, float]:
-    """(bytes, GPU seconds) of our connector's CPU-tier -> GPU loads, from its counters."""
+def _copied_by_connector(direction: str) -> tuple[float, float]:
+    """(bytes, GPU seconds) of our connector's CPU-tier copies in one direction (load:
+    CPU tier -> GPU, store: GPU -> CPU tier), from its counters."""
     from vllm_draft_offload.bench.workloads.summary import LOADED_BYTES, TRANSFER_S, sum_prefix
     from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
 
     counters = snapshot_metrics()
+    nbytes = LOADED_BYTES if direction == "load" else STORED_BYTES
     return (
-        sum_prefix(counters, LOADED_BYTES, tier="cpu"),
-        sum_prefix(counters, TRANSFER_S, direction="load", tier="cpu"),
+        sum_prefix(counters, nbytes, tier="cpu"),
+        sum_prefix(counters, TRANSFER_S, direction=direction, tier="cpu"),
     )
+
+
+def _gbps_since(direction: str, before: tuple[float, float], into: list[float]) -> None:
+    after = _copied_by_connector(direction)
+    nbytes, seconds = after[0] - before[0], after[1] - before[1]
+    if nbytes > 0 and seconds > 0:
+        into.append(nbytes / seconds / 1e9)
 
 
 def unit_files(directory: Path) -> list[Path]:
@@ -301,16 +335,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         llm.generate([TokensPrompt(prompt_token_ids=[500, 501])], one, use_tqdm=False)
 
     def timed(p: TokensPrompt, gbps_into: list[float] | None = None) -> tuple[float, int]:
-        before = _loaded_by_connector() if ours and gbps_into is not None else None
+        before = _copied_by_connector("load") if ours and gbps_into is not None else None
         start = time.perf_counter()
         out = llm.generate([p], one, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
         if before is not None and gbps_into is not None:
             step_engine()  # a load's copy time is read from CUDA events in a later step
-            after = _loaded_by_connector()
-            nbytes, seconds = after[0] - before[0], after[1] - before[1]
-            if nbytes > 0 and seconds > 0:
-                gbps_into.append(nbytes / seconds / 1e9)
+            _gbps_since("load", before, gbps_into)
         return elapsed, int(out.num_cached_tokens or 0)
 
     def empty_gpu_cache() -> None:
@@ -318,8 +349,14 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         if reset_prefix_cache_after_stores(llm, step_engine, attempts=200, pause_s=0.05) is None:
             raise RuntimeError("GPU prefix cache never emptied: stores did not complete")
 
-    def hit(rep: int, into: dict[str, list], prefix: str = "") -> None:
+    def hit(
+        rep: int, into: dict[str, list], prefix: str = "", stores: tuple[float, float] | None = None
+    ) -> None:
         empty_gpu_cache()
+        if stores is not None:
+            # Every store of the fresh prompt has completed (its blocks were freed).
+            step_engine()
+            _gbps_since("store", stores, into.setdefault("store_GBps_metric", []))
         hit_s, cached = timed(prompt(rep), into.setdefault(f"{prefix}restore_GBps_metric", []))
         into.setdefault(f"{prefix}hit_s", []).append(hit_s)
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
@@ -336,10 +373,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     # Compile/warm-up; also the TTFT of a fresh engine's first request, the baseline
     # of a restarted engine's first prompt.
     results["first_request_s"] = timed(prompt(10_000))[0]
+    if ours:
+        empty_gpu_cache()  # the warm-up's stores land before any store is timed
     for rep in range(args.reps):
+        stores = _copied_by_connector("store") if ours else None
         results["fresh_s"].append(timed(prompt(rep))[0])
         if args.config != "ours_l3_fill":
-            hit(rep, results)
+            hit(rep, results, stores=stores)
     if args.config == "ours_l3_fill":
         empty_gpu_cache()  # every store done: the L3 writes are queued
         results["l3_files"] = wait_for_l3_files(Path(args.l3_dir))
@@ -366,7 +406,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-draft", action="store_true")
     parser.add_argument("--gpu-mem", type=float, default=0.5)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    parser.add_argument(
+        "--shape",
+        default="llama8b",
+        help=f"one or more (comma-separated) of {', '.join(sorted(SHAPES))}",
+    )
+    parser.add_argument(
+        "--copy-path",
+        choices=("auto", "memcpy", "kernel"),
+        help="the connector's copy_path for ours configs (default: its default)",
+    )
     parser.add_argument("--l3-dir", help="LMCache fs:// directory for ours_l3 (default: temp)")
     parser.add_argument("--l3-io-threads", type=int, help="override l3.io_threads")
     parser.add_argument("--l3-backlog-gib", type=float, help="override l3.max_pending_write_bytes")
@@ -391,24 +440,62 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         Path(args.child).write_text(json.dumps(run_config(args)))
         return
+    shapes = args.shape.split(",")
+    unknown = [name for name in shapes if name not in SHAPES]
+    if unknown or len(set(shapes)) != len(shapes):
+        parser.error(f"--shape: give distinct names of {', '.join(sorted(SHAPES))}")
 
     import torch
     import vllm
 
     work = Path(tempfile.mkdtemp(prefix="restore-speed-"))
-    l3_dir = Path(args.l3_dir) if args.l3_dir else work / "l3"
+    cuda = torch.cuda.is_available()
+    # The limits, once per run: every shape's ratios use the same figures.
+    common: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        "pinned_h2d_GBps": pinned_h2d_gbps(1.0) if cuda else None,
+        "pinned_d2h_GBps": pinned_d2h_gbps(1.0) if cuda else None,
+    }
+    l3_root = Path(args.l3_dir) if args.l3_dir else work / "l3"
+    reports: dict[str, dict[str, Any]] = {}
+    raw_disk: dict[str, Any] | None = None
+    for name in shapes:
+        # Each shape fills its own L3 directory: units of another shape never hit.
+        l3_dir = l3_root if len(shapes) == 1 else l3_root / name
+        reports[name] = run_shape(args, name, work / name, l3_dir, common, raw_disk)
+        raw_disk = reports[name].get("raw_disk", raw_disk)
+    out = combine(reports, common)
+    print(json.dumps(out["table"], indent=1), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def run_shape(
+    args: argparse.Namespace,
+    name: str,
+    work: Path,
+    l3_dir: Path,
+    common: dict[str, Any],
+    raw_disk: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Every configuration's engine at one shape, one after another; the shape's report."""
     l3_dir.mkdir(parents=True, exist_ok=True)
-    target_shape, draft_shape = SHAPES[args.shape]
+    target_shape, draft_shape = SHAPES[name]
     target = write_config(work / "target", target_shape, args.tokens + 64)
     draft = None if args.no_draft else write_config(work / "draft", draft_shape, args.tokens + 64)
     report: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        **common,
+        "shape_name": name,
         "shape": {"target": target_shape, "draft": None if draft is None else draft_shape},
+        "page_bytes": {
+            "target": page_bytes(target_shape),
+            "draft": None if draft is None else page_bytes(draft_shape),
+        },
+        "copy_path": args.copy_path or "auto (connector default)",
         "tokens": args.tokens,
         "chunk_size": args.chunk_size,
         "enforce_eager": args.enforce_eager,
-        "pinned_h2d_GBps": pinned_h2d_gbps(1.0) if torch.cuda.is_available() else None,
         "kv_bytes_per_token": kv_bytes_per_token(target_shape)
         + (0 if draft is None else kv_bytes_per_token(draft_shape)),
         "configs": {},
@@ -420,15 +507,16 @@ def main(argv: list[str] | None = None) -> None:
         # Units of an earlier run would count as written and hit after the restart.
         raise SystemExit(f"--l3-dir {l3_dir} already holds units: give an empty directory")
     if "ours_l3_fill" in engines:
-        # Before any unit is written: the directory's raw bandwidth, same run, same disk.
-        report["raw_disk"] = measure(
+        # Before any unit is written: the directory's raw bandwidth, same run, same disk
+        # (measured once per run).
+        report["raw_disk"] = raw_disk or measure(
             l3_dir,
             int(args.raw_gib * 2**30),
             [int(t) for t in args.raw_threads.split(",")],
             args.drop_caches,
         )
         print("raw_disk", json.dumps(report["raw_disk"]), flush=True)
-    for config in progress(engines, "restore-speed"):
+    for config in progress(engines, f"restore-speed {name}"):
         if config == "ours_l3_cold":
             report["l3_cold_method"] = evict(unit_files(l3_dir), args.drop_caches)
         child_out = work / f"{config}.json"
@@ -444,6 +532,7 @@ def main(argv: list[str] | None = None) -> None:
             ("--l3-backlog-gib", args.l3_backlog_gib),
             ("--l3-staging-mb", args.l3_staging_mb),
             ("--l3-hit-policy", getattr(args, "l3_hit_policy", None)),
+            ("--copy-path", args.copy_path),
         ):
             if value:
                 cmd += [flag, str(value)]
@@ -457,10 +546,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             report["configs"][config] = json.loads(child_out.read_text())
         report["configs"][config].update(connector_log(proc.stdout, proc.stderr))
-        print(config, json.dumps(report["configs"][config])[:400], flush=True)
+        print(name, config, json.dumps(report["configs"][config])[:400], flush=True)
     summarize(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
 
 
 def _median(values: list[float]) -> float:
@@ -493,6 +581,7 @@ def summarize(report: dict[str, Any]) -> None:
             "hit_ttft_s_first": hit[0],
             "cached_tokens": cached,
             "ratio_to_recompute": steady / base if base else None,
+            "ratio_to_recompute_first": hit[0] / base if base else None,
             # A lower bound on restore bandwidth: the whole hit TTFT counted as copy time.
             "restore_GBps_lower_bound": cached * report["kv_bytes_per_token"] / steady / 1e9,
             # GPU time of the connector's own host->device copies (CUDA events).
@@ -528,9 +617,21 @@ def summarize(report: dict[str, Any]) -> None:
         summary["ours"]["restore_vs_pinned_memcpy"] = (
             summary["ours"]["restore_GBps_connector"] / pinned
         )
+    if "ours" in summary:
+        # GPU time of the connector's own device->host copies of the fresh prompts.
+        stores = configs["ours"].get("store_GBps_metric") or []
+        store = _median(stores) if stores else None
+        pinned_d2h = report.get("pinned_d2h_GBps")
+        summary["ours"]["store_GBps_connector"] = store
+        summary["ours"]["store_vs_pinned_memcpy"] = (
+            store / pinned_d2h if store and pinned_d2h else None
+        )
     if "native" in summary and "ours" in summary:
         summary["ours_vs_native_ttft"] = (
             summary["ours"]["hit_ttft_s_steady"] / summary["native"]["hit_ttft_s_steady"]
+        )
+        summary["ours_vs_native_ttft_first"] = (
+            summary["ours"]["hit_ttft_s_first"] / summary["native"]["hit_ttft_s_first"]
         )
     fill = configs.get("ours_l3_fill", {})
     if "units_expected" in fill:
@@ -555,6 +656,40 @@ def summarize(report: dict[str, Any]) -> None:
         }
     report["summary"] = summary
     print(json.dumps(summary, indent=1), flush=True)
+
+
+def combine(reports: dict[str, dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
+    """The run's report: one shape keeps the single-shape layout, several go under
+    ``shapes``; both get the ``table`` of every shape."""
+    table = [table_row(name, report) for name, report in reports.items()]
+    if len(reports) == 1:
+        return {**next(iter(reports.values())), "table": table}
+    return {**common, "shapes": reports, "table": table}
+
+
+def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """One shape's line of the speed table, from its summary (None where a
+    configuration did not run or failed)."""
+    summary = report.get("summary", {})
+    ours, native = summary.get("ours", {}), summary.get("native", {})
+    return {
+        "shape": name,
+        "page_bytes": report.get("page_bytes", {}).get("target"),
+        "copy_path": report.get("copy_path"),
+        "restore_GBps": ours.get("restore_GBps_connector"),
+        "restore_vs_pinned_memcpy": ours.get("restore_vs_pinned_memcpy"),
+        "store_GBps": ours.get("store_GBps_connector"),
+        "store_vs_pinned_memcpy": ours.get("store_vs_pinned_memcpy"),
+        "recompute_ttft_s": summary.get("recompute_ttft_s"),
+        "hit_ttft_s_first": ours.get("hit_ttft_s_first"),
+        "hit_ttft_s_steady": ours.get("hit_ttft_s_steady"),
+        "first_vs_recompute": ours.get("ratio_to_recompute_first"),
+        "steady_vs_recompute": ours.get("ratio_to_recompute"),
+        "native_first_vs_recompute": native.get("ratio_to_recompute_first"),
+        "native_steady_vs_recompute": native.get("ratio_to_recompute"),
+        "first_vs_native": summary.get("ours_vs_native_ttft_first"),
+        "steady_vs_native": summary.get("ours_vs_native_ttft"),
+    }
 
 
 if __name__ == "__main__":

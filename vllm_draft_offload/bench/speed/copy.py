@@ -1,0 +1,273 @@
+"""GB/s of the connector's copies by page size, per copy path, against pinned memcpy.
+
+    vllm-draft-offload copy-speed --out $OUT/copy_speed.json [--pages-kib 2,4,8,...]
+
+For each page size, ``--total-mib`` of pages move between a page-locked host pool
+(registered like the connector's, with vLLM's ``host_register``) and every other
+device block of twice as many, in random order, so no two pages merge into one copy: the
+worst case for DMA, and what small models and drafters meet once the GPU's free-block
+queue is shuffled. Each batch runs through the connector's own ``CopyEngine`` with
+``copy_path`` ``memcpy``, ``kernel`` and ``auto``, loads (host -> device) and stores
+(device -> host), timed with CUDA events on a side stream, best of ``--reps``; every
+path's bytes are checked bit for bit after its first pass. The limit is a pinned
+``copy_`` of the same number of bytes in one piece, each direction, in the same run.
+
+``summary.<direction>.auto_min_vs_pinned_from_4KiB`` is the issue's goal (>= 0.8);
+``kernel_faster_up_to_bytes`` is the largest page size where the kernel beat DMA,
+to set ``auto``'s threshold against. ``--dry-run-cpu`` runs the same code on CPU
+tensors (memmove; no timing worth reading).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_draft_offload.bench.options import command_parser
+from vllm_draft_offload.copy_paths import CopyEngine, auto_rules, plan_copies
+from vllm_draft_offload.transfers import Descriptors, HostPool
+
+EXAMPLES = """examples:
+  vllm-draft-offload copy-speed --out $OUT/copy_speed.json
+  vllm-draft-offload copy-speed --pages-kib 4,8,32 --total-mib 64 --reps 3 --out /tmp/c.json
+  vllm-draft-offload copy-speed --dry-run-cpu --total-mib 4 --out /tmp/copy_cpu.json
+"""
+SETTINGS = ("memcpy", "kernel", "auto")
+DIRECTIONS = ("load", "store")
+GOAL_FROM_BYTES = 4096
+
+
+def pinned_memcpy_gbps(nbytes: int, to_device: bool, reps: int = 5) -> float:
+    """Best of ``reps`` one-piece copies between a pinned host tensor and the GPU."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst, src = (device, host) if to_device else (host, device)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = 0.0
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = max(best, nbytes / (start.elapsed_time(end) / 1000) / 1e9)
+    return best
+
+
+def _host_memcpy_gbps(nbytes: int, reps: int) -> float:
+    """The CPU dry run's stand-in for the limit: one memmove of the same size."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # warm-up: pages faulted in
+    best = 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, nbytes / max(time.perf_counter() - start, 1e-9) / 1e9)
+    return best
+
+
+def scattered_pages(
+    host_base: int, device_base: int, page_bytes: int, count: int, seed: int
+) -> tuple[np.ndarray, Descriptors, Descriptors]:
+    """``count`` host pages back to back, paired in random order with every other
+    device block of ``2 * count`` (no two ever adjacent, so none merge): (blocks, load
+    descriptors, store descriptors)."""
+    blocks = 2 * np.random.default_rng(seed).permutation(count).astype(np.int64)
+    host = host_base + np.arange(count, dtype=np.int64) * page_bytes
+    device = device_base + blocks * page_bytes
+    sizes = np.full(count, page_bytes, dtype=np.int64)
+    return blocks, Descriptors(host, device, sizes), Descriptors(device, host, sizes)
+
+
+class Rig:
+    """A host pool and a device tensor twice its size, reused for every page size."""
+
+    def __init__(self, total_bytes: int, on_device: bool) -> None:
+        self.on_device = on_device
+        self.total = total_bytes
+        self.pool = HostPool(1, total_bytes, pin=on_device)
+        where = "cuda" if on_device else "cpu"
+        self.device = torch.empty(2 * total_bytes, dtype=torch.uint8, device=where)
+        self.stream = torch.cuda.Stream() if on_device else None
+        self._source = torch.from_numpy(
+            np.random.default_rng(0).integers(0, 256, total_bytes, dtype=np.uint8)
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def run(self, engine: CopyEngine, desc: Descriptors, direction: str) -> float:
+        """Seconds of one batch: GPU time between events on the side stream (host
+        enqueue included where the GPU waits for it), or wall time on CPU."""
+        if self.stream is None:
+            start = time.perf_counter()
+            engine.run(desc, direction, None)  # type: ignore[arg-type]
+            return time.perf_counter() - start
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(self.stream)
+        keepalive = engine.run(desc, direction, self.stream)  # type: ignore[arg-type]
+        end.record(self.stream)
+        end.synchronize()
+        del keepalive
+        return begin.elapsed_time(end) / 1000
+
+    def bit_exact(
+        self, engine: CopyEngine, desc: Descriptors, direction: str, blocks: np.ndarray, page: int
+    ) -> bool:
+        """One pass from known bytes into zeroed destinations, compared page by page."""
+        count = len(blocks)
+        host = self.pool.buffer[: count * page].view(count, page)
+        device = self.device[: 2 * count * page].view(2 * count, page)
+        index = torch.from_numpy(blocks).to(device.device)
+        source = self._source[: count * page].view(count, page)
+        if direction == "load":
+            host.copy_(source)
+            device.zero_()
+        else:
+            device[index] = source.to(device.device)
+            host.zero_()
+        self.run(engine, desc, direction)
+        untouched = torch.ones(2 * count, dtype=torch.bool, device=device.device)
+        untouched[index] = False
+        return (
+            bool(torch.equal(device[index].cpu(), host))
+            and bool(torch.equal(host, source))
+            and not (direction == "load" and bool(device[untouched].any()))
+        )
+
+
+def measure(args: Any) -> dict[str, Any]:
+    on_device = torch.cuda.is_available() and not args.dry_run_cpu
+    total = int(args.total_mib * 2**20)
+    rule = auto_rules()["load"]
+    report: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name() if on_device else "cpu (dry run)",
+        "on_device": on_device,
+        "torch": torch.__version__,
+        "total_bytes": total,
+        "reps": args.reps,
+        "auto_rule": {"max_bytes": rule.max_bytes, "min_count": rule.min_count},
+        "pinned_memcpy_GBps": {
+            "load": pinned_memcpy_gbps(total, True) if on_device else _host_memcpy_gbps(total, 3),
+            "store": pinned_memcpy_gbps(total, False) if on_device else _host_memcpy_gbps(total, 3),
+        },
+        "rows": [],
+    }
+    rig = Rig(total, on_device)
+    try:
+        for kib in args.pages_kib:
+            page = int(kib * 1024)
+            count = total // page
+            blocks, load, store = scattered_pages(
+                rig.pool.base, rig.device.data_ptr(), page, count, seed=page
+            )
+            for setting in args.paths:
+                engine = CopyEngine(setting, rig.pool, [page], on_device)
+                for direction, desc in (("load", load), ("store", store)):
+                    plan = plan_copies(desc, direction, engine.path)  # type: ignore[arg-type]
+                    exact = rig.bit_exact(engine, desc, direction, blocks, page)
+                    seconds = [rig.run(engine, desc, direction) for _ in range(args.reps)]
+                    gbps = [desc.num_bytes / s / 1e9 for s in seconds]
+                    limit = report["pinned_memcpy_GBps"][direction]
+                    row = {
+                        "page_bytes": page,
+                        "direction": direction,
+                        "setting": setting,
+                        "path": engine.path if on_device else "memmove",
+                        "kernel_copies": len(plan.kernel.sizes) if on_device else 0,
+                        "memcpy_copies": len(plan.memcpy.sizes) if on_device else count,
+                        "GBps": max(gbps),
+                        "GBps_median": statistics.median(gbps),
+                        "vs_pinned_memcpy": max(gbps) / limit,
+                        "bit_exact": exact,
+                    }
+                    report["rows"].append(row)
+                    print(
+                        f"{page // 1024:>5} KiB {direction:5} {setting:6} -> "
+                        f"{row['kernel_copies']:>6} kernel {row['memcpy_copies']:>6} memcpy  "
+                        f"{row['GBps']:7.2f} GB/s  {row['vs_pinned_memcpy']:.2f} x pinned  "
+                        f"exact={exact}",
+                        flush=True,
+                    )
+    finally:
+        rig.close()
+    summarize(report)
+    return report
+
+
+def summarize(report: dict[str, Any]) -> None:
+    """Per direction: the worst ``auto`` ratio from 4 KiB pages up, and where the
+    kernel stops beating DMA."""
+    rows = report["rows"]
+    summary: dict[str, Any] = {
+        "all_bit_exact": all(row["bit_exact"] for row in rows),
+    }
+    for direction in DIRECTIONS:
+        mine = [row for row in rows if row["direction"] == direction]
+        by = {(row["setting"], row["page_bytes"]): row for row in mine}
+        auto = [
+            row["vs_pinned_memcpy"]
+            for row in mine
+            if row["setting"] == "auto" and row["page_bytes"] >= GOAL_FROM_BYTES
+        ]
+        faster = [
+            page
+            for (setting, page), row in by.items()
+            if setting == "kernel"
+            and ("memcpy", page) in by
+            and row["GBps"] > by[("memcpy", page)]["GBps"]
+        ]
+        summary[direction] = {
+            "auto_min_vs_pinned_from_4KiB": min(auto) if auto else None,
+            # Only a GPU run says anything about the goal.
+            "goal_0.8_met": bool(auto) and min(auto) >= 0.8 if report["on_device"] else None,
+            "kernel_faster_up_to_bytes": max(faster) if faster else None,
+            "vs_pinned_by_page": {
+                str(page): {
+                    setting: by[(setting, page)]["vs_pinned_memcpy"]
+                    for setting in SETTINGS
+                    if (setting, page) in by
+                }
+                for page in sorted({row["page_bytes"] for row in mine})
+            },
+        }
+    report["summary"] = summary
+    print(json.dumps(summary, indent=1), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = command_parser("copy-speed", __doc__, EXAMPLES)
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--pages-kib",
+        default="2,4,8,16,24,32,48,64,256,1024",
+        type=lambda text: [float(v) for v in text.split(",")],
+        help="page sizes in KiB (default: 2 to 1024)",
+    )
+    parser.add_argument("--total-mib", type=float, default=256, help="bytes per batch")
+    parser.add_argument(
+        "--paths",
+        default=",".join(SETTINGS),
+        type=lambda text: text.split(","),
+        help="copy_path settings to run (memcpy, kernel, auto)",
+    )
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dry-run-cpu", action="store_true", help="CPU tensors (no GPU)")
+    args = parser.parse_args(argv)
+    unknown = set(args.paths) - set(SETTINGS)
+    if unknown:
+        parser.error(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
+    report = measure(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
