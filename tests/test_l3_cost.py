@@ -17,7 +17,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from vllm_draft_offload import l3_calibration
-from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate
+from vllm_draft_offload.l3_cost import CostModel, PrefillEstimate, StorageEstimate, fit_steps
 from vllm_draft_offload.metric_defs import PREFIX
 from vllm_draft_offload.metrics import DraftOffloadStats
 
@@ -53,6 +53,31 @@ def test_a_few_prefills_among_many_short_steps_price_recompute() -> None:
         est.observe(tokens, tokens * (context + tokens / 2), seconds * (1 + 0.05 * rng.random()))
     truth = b * 16384 + c * 16384 * 8192
     assert est.recompute_s(0, 16384) == pytest.approx(truth, rel=0.15)
+
+
+def test_one_step_timed_wrong_does_not_price_recompute_at_zero() -> None:
+    """Step samples a fill engine on an H100 saved (16k-token prompts at the Llama-8B
+    shape, 2-token steps between them), plus one 16k-token step timed at 2 ms as a
+    restarted engine's fit had it: the fit alone priced 16k tokens at 1 ms there,
+    and every storage hit was declined as slower than that."""
+    good = [
+        (16384.0, 134217728.0, 0.663902),
+        (2.0, 2.0, 0.00104),
+        (2.0, 2.0, 0.001098),
+        (16384.0, 134217728.0, 0.404831),
+        (2.0, 2.0, 0.001),
+        (2.0, 2.0, 0.001),
+    ]
+    wrong = (16384.0, 134217728.0, 0.002)
+    for own in (True, False):
+        est = PrefillEstimate()
+        if own:
+            for sample in [*good, wrong]:
+                est.observe(int(sample[0]), sample[1], sample[2])
+        else:
+            assert est.set_prior([*good, wrong])
+        assert est.recompute_s(0, 16384) >= 0.5 * 0.404831  # the median good step, halved
+    assert fit_steps([*good, wrong]) is not None  # the fit itself is what went wrong
 
 
 def test_prefill_is_unknown_until_a_prefill_step_was_seen() -> None:

@@ -133,6 +133,23 @@ def fit_steps(samples: Iterable[Sample]) -> np.ndarray | None:
     return coef / scale
 
 
+# A fit may not price a recompute below this fraction of what the median per-token
+# rate of the large prefill steps says: one step timed wrong (seen on an H100: a
+# 16k-token step "taking" 2 ms) would otherwise pull the fit to near zero, and every
+# storage hit would then look slower than recomputing.
+RATE_FLOOR_FRACTION = 0.5
+
+
+def median_prefill_rate(samples: Iterable[Sample]) -> float | None:
+    """Median seconds per token of the larger prefill steps (at least a quarter of
+    the largest seen), or None without a prefill step."""
+    prefills = [(t, s) for t, _, s in samples if t >= MIN_PREFILL_TOKENS]
+    if not prefills:
+        return None
+    largest = max(t for t, _ in prefills)
+    return float(np.median([s / t for t, s in prefills if t >= largest / 4]))
+
+
 class PrefillEstimate:
     def __init__(self) -> None:
         self._samples: deque[Sample] = deque(maxlen=WINDOW)
@@ -141,6 +158,7 @@ class PrefillEstimate:
         # Fit of an earlier engine's samples (same model and device): used until
         # this engine has its own fit.
         self.prior_coef: np.ndarray | None = None
+        self._prior_rate: float | None = None  # median_prefill_rate of those samples
         self.observed = 0  # step samples taken so far (the calibration saves new ones)
 
     def observe(self, tokens: int, attention: float, seconds: float) -> None:
@@ -164,6 +182,7 @@ class PrefillEstimate:
         its own fit (too few for a fit: their fastest per-token prefill rate); False
         when they hold no prefill step."""
         samples = list(samples)
+        self._prior_rate = median_prefill_rate(samples)
         coef = fit_steps(samples)
         if coef is None:
             rates = [s / t for t, _, s in samples if t >= MIN_PREFILL_TOKENS]
@@ -200,7 +219,10 @@ class PrefillEstimate:
             rates = [s / t for t, _, s in self._samples if t >= MIN_PREFILL_TOKENS]
             return min(rates) * tokens if rates else None
         _, b, c = coef
-        return float(b * tokens + c * tokens * (start + tokens / 2))
+        fitted = float(b * tokens + c * tokens * (start + tokens / 2))
+        rate = median_prefill_rate(self._samples) if self.coef is not None else self._prior_rate
+        floor = RATE_FLOOR_FRACTION * rate * tokens if rate is not None else 0.0
+        return max(fitted, floor)
 
 
 class CostModel:
