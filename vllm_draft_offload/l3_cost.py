@@ -140,14 +140,19 @@ def fit_steps(samples: Iterable[Sample]) -> np.ndarray | None:
 RATE_FLOOR_FRACTION = 0.5
 
 
+def prefill_rates(samples: Iterable[Sample]) -> list[tuple[float, float]]:
+    """(tokens, seconds per token) of the prefill steps among `samples`."""
+    return [(t, s / t) for t, _, s in samples if t >= MIN_PREFILL_TOKENS]
+
+
 def median_prefill_rate(samples: Iterable[Sample]) -> float | None:
     """Median seconds per token of the larger prefill steps (at least a quarter of
     the largest seen), or None without a prefill step."""
-    prefills = [(t, s) for t, _, s in samples if t >= MIN_PREFILL_TOKENS]
+    prefills = prefill_rates(samples)
     if not prefills:
         return None
     largest = max(t for t, _ in prefills)
-    return float(np.median([s / t for t, s in prefills if t >= largest / 4]))
+    return float(np.median([rate for t, rate in prefills if t >= largest / 4]))
 
 
 class PrefillEstimate:
@@ -159,12 +164,18 @@ class PrefillEstimate:
         # this engine has its own fit.
         self.prior_coef: np.ndarray | None = None
         self._prior_rate: float | None = None  # median_prefill_rate of those samples
+        # median_prefill_rate of this engine's samples, computed when first needed
+        # after a new sample: recompute_s runs once per candidate chunk count of
+        # every lookup, a sample comes once per step.
+        self._rate: float | None = None
+        self._rate_stale = False
         self.observed = 0  # step samples taken so far (the calibration saves new ones)
 
     def observe(self, tokens: int, attention: float, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         self._samples.append((float(tokens), attention, seconds))
+        self._rate_stale = True
         self.observed += 1
         self._new += 1
         if self._new >= REFIT_EVERY or self.coef is None:
@@ -185,7 +196,7 @@ class PrefillEstimate:
         self._prior_rate = median_prefill_rate(samples)
         coef = fit_steps(samples)
         if coef is None:
-            rates = [s / t for t, _, s in samples if t >= MIN_PREFILL_TOKENS]
+            rates = [rate for _, rate in prefill_rates(samples)]
             coef = np.array([0.0, min(rates), 0.0]) if rates else None
         self.prior_coef = coef
         return coef is not None
@@ -216,11 +227,16 @@ class PrefillEstimate:
         underestimates a long prefix's recompute and errs towards recomputing."""
         coef = self.coef if self.coef is not None else self.prior_coef
         if coef is None:
-            rates = [s / t for t, _, s in self._samples if t >= MIN_PREFILL_TOKENS]
+            rates = [rate for _, rate in prefill_rates(self._samples)]
             return min(rates) * tokens if rates else None
         _, b, c = coef
         fitted = float(b * tokens + c * tokens * (start + tokens / 2))
-        rate = median_prefill_rate(self._samples) if self.coef is not None else self._prior_rate
+        if self.coef is None:
+            rate = self._prior_rate
+        else:
+            if self._rate_stale:
+                self._rate, self._rate_stale = median_prefill_rate(self._samples), False
+            rate = self._rate
         floor = RATE_FLOOR_FRACTION * rate * tokens if rate is not None else 0.0
         return max(fitted, floor)
 
