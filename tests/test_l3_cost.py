@@ -239,6 +239,20 @@ def _decisions(eng: SimEngine) -> str:
     return "\n".join(d.line() for d in l3.log.recent)
 
 
+def _prefill_while_reads_hang(eng: SimEngine, req_id: str, prompt: list[int]) -> None:
+    """Every storage read now takes 3 s: the request must still be prefilled long
+    before its reads land, from recompute, with correct KV."""
+    throttle(eng.worker.worker.l3.store, get=3.0)
+    eng.evict_gpu_kv()
+    eng.take_published()
+    eng.add_request(req_id, prompt, max_tokens=1)
+    started = time.monotonic()
+    eng.run_prefill(req_id)
+    assert time.monotonic() - started < 2.5
+    assert eng.external_hits[req_id] == 0
+    assert eng.mismatched_positions(req_id) == []
+
+
 @pytest.mark.parametrize("policy", ["cost", "always"])
 def test_slow_storage_hits_are_declined_and_counted(
     model_dirs: tuple[Path, Path], tmp_path: Path, policy: str
@@ -301,16 +315,7 @@ def test_measured_storage_that_stalls_costs_a_bounded_wait(
     eng = _restarted(model_dirs, url, "cost", io_threads=8)
     _serve(eng, "fast", prompts[0])
     assert eng.scheduler.connector.scheduler.l3.cost.storage.samples >= 1
-    throttle(eng.worker.worker.l3.store, get=3.0)
-    eng.evict_gpu_kv()
-    eng.take_published()
-    eng.add_request("stalled", prompts[1], max_tokens=1)
-    started = time.monotonic()
-    eng.run_prefill("stalled")
-    # Prefilled long before the 3 s reads land.
-    assert time.monotonic() - started < 2.5
-    assert eng.external_hits["stalled"] == 0
-    assert eng.mismatched_positions("stalled") == []
+    _prefill_while_reads_hang(eng, "stalled", prompts[1])
     decision = eng.scheduler.connector.scheduler.l3.log.recent[-1]
     assert decision.outcome == "declined:fetch_too_slow", decision.line()
     eng.run_until_done()  # the reads land in the background
@@ -412,16 +417,8 @@ def test_first_hit_on_slow_storage_waits_only_a_bounded_time(
     url = f"fs://{tmp_path / 'l3'}"
     prompts = _filled_storage(model_dirs, url)
     eng = _restarted(model_dirs, url, "cost")
-    throttle(eng.worker.worker.l3.store, get=3.0)
-    eng.evict_gpu_kv()
-    eng.take_published()
-    eng.add_request("first", prompts[0], max_tokens=1)
-    started = time.monotonic()
-    eng.run_prefill("first")
-    # Prefilled long before the 3 s probe lands (its allowance: about 40 ms).
-    assert time.monotonic() - started < 2.5
-    assert eng.external_hits["first"] == 0
-    assert eng.mismatched_positions("first") == []
+    # Its probe's allowance is about 40 ms.
+    _prefill_while_reads_hang(eng, "first", prompts[0])
     eng.run_until_done()  # the probe lands and times the storage for later requests
     published = eng.take_published()
     assert published["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}
