@@ -102,6 +102,23 @@ def test_schedule_follows_the_given_order_and_period() -> None:
     ]
     with pytest.raises(ValueError, match="faults: \\['flood'\\]"):
         sf.schedule(60.0, ("outage", "flood"))
+    with pytest.raises(ValueError, match="fault_period: 0.0 s, must be > 0"):
+        sf.schedule(60.0, period=0.0)  # would never advance
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--faults", "outage,flood"], "--faults: ['flood'] not among"),
+        (["--fault-period", "0"], "--fault-period: 0.0 s, must be > 0"),
+    ],
+)
+def test_soak_refuses_bad_fault_flags_by_name(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--out", "/tmp/never", *flags])
+    assert message in capsys.readouterr().err
 
 
 def _objects(root: Path, n: int) -> list[Path]:

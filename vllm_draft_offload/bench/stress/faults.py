@@ -188,6 +188,8 @@ def schedule(
         raise ValueError(f"faults: {unknown or 'none'} not among {', '.join(FAULTS)}")
     if period is None:
         period = seconds / 10 if seconds >= 60 else seconds / 6
+    if period <= 0:
+        raise ValueError(f"fault_period: {period} s, must be > 0")
     out, t, i = [], period / 2, 0
     while t + period / 2 < seconds:
         out.append((t, faults[i % len(faults)], period / 2))

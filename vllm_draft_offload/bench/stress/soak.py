@@ -95,13 +95,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(FAULTS),
         help="fault order, repeated over the run (default %(default)s)",
     )
-    ap.add_argument("--fault-period", type=float, help="seconds between faults (run / 10)")
+    ap.add_argument(
+        "--fault-period", type=float, help="seconds between faults (run / 10; run / 6 under 60 s)"
+    )
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--dtype")
     add_eager_or_compile(ap)
     ap.add_argument("--engine-timeout", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    try:  # bad fault flags fail here, with the flag's name, not minutes into the run
+        schedule(60.0, tuple(args.faults.split(",")), args.fault_period)
+    except ValueError as exc:
+        field, _, reason = str(exc).partition(":")
+        ap.error(f"--{field.replace('_', '-')}:{reason}")
+    return args
 
 
 @contextlib.contextmanager
