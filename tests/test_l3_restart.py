@@ -140,3 +140,13 @@ def test_restart_on_slow_storage_waits_only_its_allowance(
 def decision_lines(eng: SimEngine) -> str:
     log = getattr(eng.scheduler.connector.scheduler.l3, "log", None)
     return "\n".join(d.line() for d in log.recent) if log is not None else ""
+
+
+def test_restore_speed_reads_the_calibration_an_engine_left(filled: str) -> None:
+    """The benchmark's diagnosis of restart decisions reads the real calibration file
+    LMCache's fs:// backend wrote, not a unit."""
+    from vllm_draft_offload.bench.speed.restore import calibration_samples
+
+    samples = calibration_samples(Path(filled.removeprefix("fs://")))
+    assert samples and all(len(s) == 3 for s in samples)
+    assert max(s[0] for s in samples) >= PROMPT_CHUNKS * CHUNK - 1  # a prefill was timed

@@ -143,4 +143,4 @@ class Calibration:
     def _save(self, prefill: PrefillEstimate) -> Future[None]:
         self._saved = prefill.observed
         self._last_save = time.monotonic()
-        return self.lookup.write_object(self.name, encode(prefill.own_samples(), self.device))
+        return self.lookup.write_object(self.name, encode(prefill.samples_to_share(), self.device))

@@ -111,8 +111,18 @@ Sample = tuple[float, float, float]  # (tokens, attention, seconds) of one step
 
 def fit_steps(samples: Iterable[Sample]) -> np.ndarray | None:
     """Coefficients (a, b, c) of t = a + b * tokens + c * attention, or None while the
-    samples cannot make a fit (fewer than MIN_SAMPLES, or no prefill step)."""
-    data = np.array(list(samples), dtype=float).reshape(-1, 3)
+    samples cannot make a fit (fewer than MIN_SAMPLES, or no prefill step).
+
+    Prefill steps timed far faster per token than the median large prefill are
+    dropped first: no device computes a step that fast, so its timing is wrong,
+    and the relative-error fit would otherwise follow that one step (its error
+    term dominates) and price every recompute near zero."""
+    samples = list(samples)
+    rate = median_prefill_rate(samples)
+    if rate is not None:
+        floor = MISTIMED_RATE_FRACTION * rate
+        samples = [s for s in samples if s[0] < MIN_PREFILL_TOKENS or s[2] / s[0] >= floor]
+    data = np.array(samples, dtype=float).reshape(-1, 3)
     if len(data) < MIN_SAMPLES or not np.any(data[:, 0] >= MIN_PREFILL_TOKENS):
         return None
     x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
@@ -133,6 +143,9 @@ def fit_steps(samples: Iterable[Sample]) -> np.ndarray | None:
     return coef / scale
 
 
+# A prefill step whose per-token time is below this fraction of the median large
+# prefill's is taken as mistimed and left out of the fit.
+MISTIMED_RATE_FRACTION = 0.25
 # A fit may not price a recompute below this fraction of what the median per-token
 # rate of the large prefill steps says: one step timed wrong (seen on an H100: a
 # 16k-token step "taking" 2 ms) would otherwise pull the fit to near zero, and every
@@ -164,6 +177,7 @@ class PrefillEstimate:
         # this engine has its own fit.
         self.prior_coef: np.ndarray | None = None
         self._prior_rate: float | None = None  # median_prefill_rate of those samples
+        self._prior_samples: list[Sample] = []
         # median_prefill_rate of this engine's samples, computed when first needed
         # after a new sample: recompute_s runs once per candidate chunk count of
         # every lookup, a sample comes once per step.
@@ -193,6 +207,7 @@ class PrefillEstimate:
         its own fit (too few for a fit: their fastest per-token prefill rate); False
         when they hold no prefill step."""
         samples = list(samples)
+        self._prior_samples = samples[-WINDOW:]
         self._prior_rate = median_prefill_rate(samples)
         coef = fit_steps(samples)
         if coef is None:
@@ -203,6 +218,12 @@ class PrefillEstimate:
 
     def own_samples(self) -> list[Sample]:
         return list(self._samples)
+
+    def samples_to_share(self) -> list[Sample]:
+        """What the next engine should start from: the prior's samples, then this
+        engine's own, the newest WINDOW. A restarted engine that timed only a few
+        short steps must not replace the long prefills it was given."""
+        return [*self._prior_samples, *self._samples][-WINDOW:]
 
     @property
     def has_prefill(self) -> bool:
@@ -253,9 +274,9 @@ class CostModel:
         self._clock = clock
         self.storage = StorageEstimate(unit_bytes, parallel)
         self.prefill = PrefillEstimate()
-        # Scheduled steps whose output has not come back: (time, tokens, attention).
-        # Bounded: if vLLM ever skips an output, old entries fall off.
-        self._open_steps: deque[tuple[float, int, float]] = deque(maxlen=4)
+        # Scheduled steps whose output has not come back: (time, tokens, attention,
+        # empty). Bounded: if vLLM ever skips an output, old entries fall off.
+        self._open_steps: deque[tuple[float, int, float, bool]] = deque(maxlen=4)
         self._last_output = -math.inf
         # Recent step duration (any step): a waiting request is looked at once per
         # step, and a fetch's result reaches the scheduler a step after it lands.
@@ -270,9 +291,10 @@ class CostModel:
         compute alone (a hit computing 2 tokens after 16k restored ones takes the
         load's time), and would teach the fit that attention over a long context
         costs what the copy did: such a step keeps the clock but is no sample."""
-        tokens = 0 if loads else sum(n for n, _ in work)
+        computed = sum(n for n, _ in work)
         attention = float(sum(n * (ctx + n / 2) for n, ctx in work))
-        self._open_steps.append((self._clock(), tokens, attention))
+        empty = computed == 0 and not loads
+        self._open_steps.append((self._clock(), 0 if loads else computed, attention, empty))
 
     def step_output(self) -> None:
         """The oldest scheduled step's output was processed.
@@ -281,12 +303,19 @@ class CostModel:
         scheduled or the previous one ended, whichever is later, until its output
         arrived. This holds with async scheduling too (vLLM schedules step k+1
         before step k's output comes back), and an idle engine adds no time.
+
+        An empty step (nothing computed, nothing loaded: a request waiting on
+        storage) does not end the previous one's time: its output can come back
+        late, once the step scheduled behind it has run on the device (seen on an
+        H100, where that timed a 16k-token prefill at 2 ms).
         """
         now = self._clock()
         if not self._open_steps:
             return
-        scheduled, tokens, attention = self._open_steps.popleft()
+        scheduled, tokens, attention, empty = self._open_steps.popleft()
         started = max(scheduled, self._last_output)
+        if empty:
+            return
         self._last_output = now
         self.step_s += STEP_ALPHA * (now - started - self.step_s)
         if tokens:

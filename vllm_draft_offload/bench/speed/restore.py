@@ -237,6 +237,23 @@ def connector_log(stdout: str, stderr: str = "") -> dict[str, Any]:
     }
 
 
+def calibration_samples(directory: Path) -> list[list[float]]:
+    """The prefill calibration's (tokens, attention, seconds) samples found in an
+    fs:// directory (the JSON document inside LMCache's file), [] without one."""
+    from vllm_draft_offload.l3_calibration import is_calibration_file
+
+    for path in sorted(directory.glob("*.data")):
+        if not is_calibration_file(path.name):
+            continue
+        blob = path.read_bytes()
+        start = blob.find(b'{"version"')
+        try:
+            return json.loads(blob[start : blob.rindex(b"}") + 1])["samples"]
+        except (ValueError, KeyError):
+            return []
+    return []
+
+
 def write_throughput(files: list[Path]) -> dict[str, Any]:
     """Sustained L3 write rate from the files themselves: the bytes of every file but the
     first, over the time from the first file's last write to the last one's."""
@@ -546,6 +563,10 @@ def run_shape(
         else:
             report["configs"][config] = json.loads(child_out.read_text())
         report["configs"][config].update(connector_log(proc.stdout, proc.stderr))
+        if config.startswith("ours_l3"):
+            # What this engine left for the next one: the step samples the restarted
+            # engines price recompute with (the decision log shows the estimate only).
+            report["configs"][config]["calibration_samples"] = calibration_samples(l3_dir)
         print(name, config, json.dumps(report["configs"][config])[:400], flush=True)
     summarize(report)
     return report
