@@ -255,3 +255,25 @@ def test_kernel_falls_back_to_memcpy_where_it_cannot_run() -> None:
         assert engine.path == setting and engine.tile == 2048
         # Pages sharing no 16-byte power of two: DMA only.
         assert CopyEngine(setting, pool, [2056], on_device=False).path == "memcpy"
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"default": "x", "gpus": {}}'])
+def test_an_unreadable_table_leaves_auto_on_dma_and_serving_on(
+    content: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing or broken copy_rules.json must not stop the engine: auto then uses DMA
+    for everything, the other settings are untouched."""
+    from vllm_draft_offload import copy_rules
+
+    broken = tmp_path / "copy_rules.json"
+    if content is not None:
+        broken.write_text(content)
+    monkeypatch.setattr(copy_rules, "RULES_FILE", broken)
+    pool = HostPool(2, 1 << 16, pin=False)
+    engine = CopyEngine("auto", pool, [4096], on_device=False)
+    assert all(rule.max_bytes == 0 for rule in engine.rules.values())
+    plan = plan_copies(_scattered([4096] * 64), "load", engine.path, engine.tile, engine.rules)
+    assert not len(plan.kernel.sizes) and len(plan.memcpy.sizes) == 64
+    kernel = CopyEngine("kernel", pool, [4096], on_device=False)
+    forced = plan_copies(_scattered([4096] * 64), "load", kernel.path, kernel.tile, kernel.rules)
+    assert len(forced.kernel.sizes) == 64

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_draft_offload import copy_rules
 from vllm_draft_offload.config import CopyPath
-from vllm_draft_offload.copy_rules import AutoRule, auto_rules, rule_source
+from vllm_draft_offload.copy_rules import DMA_ONLY, AutoRule, auto_rules, rule_source
 from vllm_draft_offload.metric_defs import Direction
 from vllm_draft_offload.page_kernel import (
     DEFAULT_PROGRAMS,
@@ -124,6 +125,21 @@ def kernel_unavailable(pinned: bool) -> str | None:
     return None
 
 
+def _read_rules(gpu: str | None) -> tuple[dict[Direction, AutoRule], str]:
+    """``auto``'s table for this GPU and where it comes from. A table that cannot be
+    read must not stop the engine: then ``auto`` sends everything to DMA (logged)."""
+    try:
+        return auto_rules(gpu), rule_source(gpu)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning(
+            "DraftOffloadConnector: copy_path=auto's table %s cannot be read (%r): auto uses "
+            "memcpy only",
+            copy_rules.RULES_FILE,
+            exc,
+        )
+        return dict(DMA_ONLY), "unreadable table: DMA only"
+
+
 class CopyEngine:
     """A worker's copies, each batch split by ``plan_layers``.
 
@@ -146,7 +162,7 @@ class CopyEngine:
         self.on_device = on_device
         self.tile = tile_bytes(page_bytes)
         gpu = torch.cuda.get_device_name() if on_device and torch.cuda.is_available() else None
-        self.rules = dict(rules) if rules is not None else auto_rules(gpu)
+        self.rules, source = (dict(rules), "given") if rules is not None else _read_rules(gpu)
         self.kernel = PageKernel(self.tile, programs) if self.tile is not None else None
         # The path batches actually take: the setting, unless the kernel cannot run.
         self.path: CopyPath = setting
@@ -164,7 +180,7 @@ class CopyEngine:
                     self.rules["store"].max_bytes,
                     self.tile,
                     programs,
-                    rule_source(gpu),
+                    source,
                 )
 
     def _kernel_unavailable(self, pool: HostPool) -> str | None:

@@ -39,6 +39,8 @@ class AutoRule:
 
 
 Rules = Mapping[Direction, AutoRule]
+# What ``auto`` does when the table cannot be read: DMA only, the path that needs nothing.
+DMA_ONLY: dict[Direction, AutoRule] = {d: AutoRule(0, DEFAULT_MIN_COUNT) for d in DIRECTIONS}
 
 
 def _parse(entry: Mapping[str, Any], where: str) -> dict[Direction, AutoRule]:
@@ -59,17 +61,18 @@ def _table(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def auto_rules(gpu: str | None = None, path: Path = RULES_FILE) -> dict[Direction, AutoRule]:
+def auto_rules(gpu: str | None = None, path: Path | None = None) -> dict[Direction, AutoRule]:
     """The rules measured on ``gpu``, else the table's default entry."""
+    path = path or RULES_FILE
     table = _table(path)
     gpus = table["gpus"]
     name = gpu if gpu in gpus else table["default"]
     return _parse(gpus[name], f"{path.name}:{name}")
 
 
-def rule_source(gpu: str | None = None, path: Path = RULES_FILE) -> str:
+def rule_source(gpu: str | None = None, path: Path | None = None) -> str:
     """Which entry ``auto_rules(gpu)`` uses and where it was measured (for the log)."""
-    table = _table(path)
+    table = _table(path or RULES_FILE)
     name = gpu if gpu in table["gpus"] else table["default"]
     measured = table["gpus"][name].get("measured", "?")
     return f"{name}{'' if name == gpu else ' (default)'}: {measured}"
@@ -104,7 +107,7 @@ def rules_from_rows(
     return rules
 
 
-def write_rules(gpu: str, rules: Rules, measured: str, path: Path = RULES_FILE) -> None:
+def write_rules(gpu: str, rules: Rules, measured: str, path: Path) -> None:
     """Set ``gpu``'s entry in the table (the default entry stays as it is, unless the
     table is new: then this GPU becomes the default)."""
     table = json.loads(path.read_text()) if path.exists() else {"default": gpu, "gpus": {}}
