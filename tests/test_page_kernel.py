@@ -265,3 +265,37 @@ def test_any_split_moves_what_memmove_moves(
         engine.run(desc, direction, None)  # type: ignore[arg-type]
     run_descriptors_on_host(Descriptors(src, want.ctypes.data + want_base + order * slot, sizes))
     assert np.array_equal(got[got_base:], want[want_base:])
+
+
+@pytest.mark.parametrize("tile", [16, 2048, 16 * 1024])
+def test_the_compiled_kernel_moves_16_bytes_per_access(tile: int) -> None:
+    """Compiled for an H100 (sm_90) without a GPU, by Triton's own compiler and ptxas:
+    every data access is a 16-byte vector load or store, and each thread has its whole
+    share of a 16 KiB block in flight (8 loads before the first store)."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler import compile as triton_compile
+    except ImportError as exc:  # pragma: no cover - a Triton without these entry points
+        pytest.skip(f"Triton's compiler API is not there: {exc}")
+    source = ASTSource(
+        fn=page_kernel._jitted(False),
+        signature={
+            "table": "*i64",
+            "n_tiles": "i32",
+            "TILE_WORDS": "constexpr",
+            "ROWS": "constexpr",
+        },
+        constexprs={"TILE_WORDS": tile // 8, "ROWS": PageKernel(tile).rows},
+        attrs={(0,): [["tt.divisibility", 16]]},  # torch's allocations: the table is aligned
+    )
+    try:
+        compiled = triton_compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": page_kernel.NUM_WARPS}
+        )
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this Triton build
+        pytest.skip(f"no CUDA toolchain in this Triton: {exc}")
+    ptx = compiled.asm["ptx"]
+    per_thread = page_kernel.BLOCK_BYTES // (page_kernel.NUM_WARPS * 32 * 16)
+    assert ptx.count("ld.global.v2.b64") == per_thread == ptx.count("st.global.v2.b64")
+    assert ptx.index("st.global.v2.b64") > ptx.rindex("ld.global.v2.b64")
