@@ -29,6 +29,7 @@ SHARED = {
     "bench": {FIX, OUT, EAGER},
     "restore-speed": {OUT, EAGER},
     "copy-speed": {OUT},
+    "decode-overhead": {OUT, EAGER},
     "l3-speed": {OUT},
     "shared-storage": {FIX, OUT, EAGER},
     "pressure": {FIX, OUT, EAGER},
@@ -98,7 +99,7 @@ def test_tool_failures_reach_the_exit_status(tmp_path: Path) -> None:
 def test_subprocess_modules_exist() -> None:
     """The tools start their engine side as `python -m MODULE`: each must resolve."""
     from vllm_draft_offload.bench.accept import check, probe_connector, shared_storage
-    from vllm_draft_offload.bench.speed import restore
+    from vllm_draft_offload.bench.speed import decode_overhead, restore
     from vllm_draft_offload.bench.stress import jobs
     from vllm_draft_offload.bench.workloads import run
 
@@ -108,6 +109,7 @@ def test_subprocess_modules_exist() -> None:
         check.ENGINE_MODULE,
         shared_storage.MODULE,
         restore.MODULE,
+        decode_overhead.MODULE,
         probe_connector.MODULE_NAME,  # vLLM imports the probe connector by this name
     ]
     assert run.WORKER[0] == jobs.WORKER[0] == "-m"
@@ -115,5 +117,6 @@ def test_subprocess_modules_exist() -> None:
         assert importlib.util.find_spec(name) is not None, name
     assert shared_storage.__name__ == shared_storage.MODULE
     assert restore.__name__ == restore.MODULE
+    assert decode_overhead.__name__ == decode_overhead.MODULE
     assert probe_connector.__name__ == probe_connector.MODULE_NAME
     assert importlib.import_module(check.ENGINE_MODULE).main is not None

@@ -51,15 +51,28 @@ def test_round_trip_is_bit_exact_for_every_layer(
     assert eng.outputs["restored"] == eng.outputs["fresh"]
 
 
-@pytest.mark.parametrize("copy_path", ["kernel", "memcpy"])
+@pytest.mark.parametrize("copy_path", ["kernel", "auto", "memcpy"])
 def test_copy_path_setting_round_trips_and_stores_are_timed(
-    model_dirs: tuple[Path, Path], copy_path: str
+    model_dirs: tuple[Path, Path], copy_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Any copy_path reaches the worker; on CPU tensors every copy is memmove, and
-    stores carry a duration (the store GB/s of `restore-speed`), like loads."""
+    """Any copy_path reaches the worker and restores every layer bit for bit; on CPU
+    tensors the kernel's share runs the Triton kernel in its interpreter (one launch
+    for every layer of a load). Stores carry a duration (the store GB/s of
+    `restore-speed`), like loads."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     eng = engine(model_dirs, extra_config={"copy_path": copy_path})
     worker = eng.worker.worker
-    assert worker.copier.setting == copy_path and worker.copier.path == "memcpy"
+    assert worker.copier.setting == copy_path and worker.copier.path == copy_path
+    launches: list[int] = []
+    kernel = worker.copier.kernel
+    if kernel is not None:
+        copy = kernel.copy
+        monkeypatch.setattr(
+            kernel,
+            "copy",
+            lambda desc, stream: launches.append(desc.num_bytes) or copy(desc, stream),
+        )
     tokens = prompt(3, 2 * CHUNK + 3)
     eng.take_published()
     eng.add_request("fresh", tokens, max_tokens=2)
@@ -73,6 +86,11 @@ def test_copy_path_setting_round_trips_and_stores_are_timed(
     eng.run_prefill("restored")
     assert eng.external_hits["restored"] == 2 * CHUNK
     assert eng.mismatched_positions("restored") == []
+    # Stores of two chunks, then their load: every layer of it in one launch.
+    if copy_path == "kernel":
+        assert sum(launches) == 4 * unit and launches[-1] == 2 * unit
+    elif copy_path == "memcpy":
+        assert launches == []
 
 
 def test_corrupt_host_copy_is_detected(model_dirs: tuple[Path, Path]) -> None:

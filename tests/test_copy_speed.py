@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench.speed import copy as copy_speed
@@ -29,14 +30,48 @@ def test_dry_run_reports_every_page_size_direction_and_path(tmp_path: Path) -> N
         for d in ("load", "store")
         for s in ("memcpy", "kernel", "auto")
     }
-    assert all(r["bit_exact"] and r["GBps"] > 0 and r["path"] == "memmove" for r in rows)
-    # Every page is its own copy: none of them merge.
-    assert all(r["memcpy_copies"] == (1 << 20) // r["page_bytes"] for r in rows)
+    assert all(r["bit_exact"] and r["GBps"] > 0 for r in rows)
+    # Every page is its own copy (none of them merge), by the path its setting says.
+    for r in rows:
+        count = (1 << 20) // r["page_bytes"]
+        assert r["kernel_copies"] + r["memcpy_copies"] == count
+        if r["setting"] != "auto":
+            assert r["path"] == f"{r['setting']} (cpu)"
+            assert r["kernel_copies"] == (count if r["setting"] == "kernel" else 0)
+    # auto runs last, with the table derived from this run's kernel and memcpy rows.
+    assert [r["setting"] for r in rows][-6:] == ["auto"] * 6
+    assert report["auto_rules_source"] == "derived from this run"
+    for r in rows:
+        if r["setting"] == "auto":
+            rule = report["auto_rules"][r["direction"]]
+            to_kernel = r["page_bytes"] <= rule["max_bytes"]
+            assert r["kernel_copies"] == ((1 << 20) // r["page_bytes"] if to_kernel else 0)
     summary = report["summary"]
     assert summary["all_bit_exact"] is True
     for direction in ("load", "store"):
         assert summary[direction]["goal_0.8_met"] is None  # says nothing off a GPU
         assert set(summary[direction]["vs_pinned_by_page"]) == {"2048", "8192", "65536"}
+
+
+def test_auto_uses_the_shipped_table_without_both_forced_paths(tmp_path: Path) -> None:
+    out = tmp_path / "copy.json"
+    argv = ["copy-speed", "--dry-run-cpu", "--total-mib", "0.25", "--pages-kib", "4",
+            "--reps", "1", "--paths", "kernel,auto", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["auto_rules_source"].startswith("table: NVIDIA H100")
+    assert report["auto_rules"]["load"]["max_bytes"] == 48 * 1024
+
+
+def test_rules_are_written_only_from_a_gpu_run_of_both_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for extra in (["--dry-run-cpu"], ["--paths", "kernel,auto"]):
+        with pytest.raises(SystemExit):
+            cli.main(["copy-speed", "--write-rules", str(tmp_path / "r.json"),
+                      "--out", str(tmp_path / "c.json"), *extra])  # fmt: skip
+        assert "--write-rules" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_scattered_pages_never_merge_and_a_wrong_copy_is_caught() -> None:

@@ -176,6 +176,7 @@ def test_summary_and_table_give_copy_ratios_and_first_and_steady_hits() -> None:
         "first_vs_recompute": 0.3, "steady_vs_recompute": 0.1,
         "native_first_vs_recompute": 1.3, "native_steady_vs_recompute": 0.2,
         "first_vs_native": 0.3 / 1.3, "steady_vs_native": 0.5,
+        "first_over_steady": 0.3 / 0.1, "native_first_over_steady": 1.3 / 0.2,
     }  # fmt: skip
 
 
@@ -187,6 +188,8 @@ def test_a_failed_or_missing_configuration_leaves_its_cells_empty() -> None:
     row = restore_speed.table_row("llama8b", report)
     assert row["store_GBps"] is None and row["store_vs_pinned_memcpy"] is None
     assert row["first_vs_native"] is None and row["native_steady_vs_recompute"] is None
+    assert row["native_first_over_steady"] is None
+    assert row["first_over_steady"] == pytest.approx(3.0)
     assert row["restore_vs_pinned_memcpy"] == 0.9  # what did run is still there
 
 

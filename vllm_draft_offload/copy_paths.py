@@ -1,4 +1,4 @@
-"""Which engine moves a batch of copy descriptors: DMA or a gather/scatter kernel.
+"""Which engine moves a batch of copy descriptors: DMA or the gather/scatter kernel.
 
 Two ways move pages between GPU KV blocks and the page-locked host pool:
 
@@ -7,37 +7,45 @@ Two ways move pages between GPU KV blocks and the page-locked host pool:
   it reaches the link's bandwidth only when descriptors are large: at the
   Llama-8B shape adjacent pages merge into runs of hundreds of KiB (0.98 x pinned
   memcpy), but small pages that do not merge ran at 0.06 x (8 KiB pages).
-* ``kernel``: vLLM's Triton gather/scatter kernel
-  (``vllm.v1.kv_offload.cpu.swap_blocks_triton``), 12 SMs copying 8-byte words
-  straight between device memory and the host pool. The pool is registered with
-  vLLM's ``host_register`` (``cudaHostRegister`` with default flags), which on a
-  system with unified virtual addressing maps it for the device at the same
-  address: the same precondition vLLM's own CPU offloading relies on when it
-  runs this kernel. The kernel only dereferences pointers, so it serves stores
-  (device to host) exactly as loads.
+* ``kernel``: this package's Triton gather/scatter kernel (``page_kernel.py``):
+  many pages of every layer per launch, 16-byte accesses straight between device
+  memory and the host pool. The pool is registered with vLLM's ``host_register``
+  (``cudaHostRegister`` with default flags), which on a system with unified virtual
+  addressing maps it for the device at the same address: the precondition vLLM's
+  own CPU offloading relies on when it runs its kernel. The kernel only
+  dereferences pointers, so it serves stores (device to host) exactly as loads.
 
-``auto`` follows vLLM's thresholds, tuned on an H100 for CPU->GPU batches: the
-kernel beats DMA for descriptors under ``THRESHOLD_BYTES`` (28 KiB) once there are
-at least ``MIN_N`` (16) of them to amortise its launch. vLLM keeps GPU->CPU on DMA
-(its stores are off the critical path, and DMA leaves the SMs to compute); here
-stores are held to the same bandwidth goal as loads, and a descriptor's fixed DMA
-cost does not depend on direction, so stores use the same table. The decision is
-per descriptor, after merging adjacent pages: small runs go to the kernel, large
-ones to DMA, both on the same stream.
+``auto`` follows a measured table (``copy_rules.py``: per GPU and direction, the
+largest copy the kernel moves faster than DMA, from ``vllm-draft-offload
+copy-speed``): copies up to that size go to the kernel once a batch has enough of
+them to pay for a launch, the rest to DMA, both on the same stream. The decision
+is per descriptor, after merging adjacent pages.
+
+Loads of one step go as one launch for every layer (``run_layers``): the kernel's
+share of all layers first, then each layer's DMA share followed by that layer's
+event, so a layer whose pages all move by DMA is still waited for alone.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from vllm_draft_offload import copy_rules
 from vllm_draft_offload.config import CopyPath
+from vllm_draft_offload.copy_rules import DMA_ONLY, AutoRule, auto_rules, rule_source
 from vllm_draft_offload.metric_defs import Direction
+from vllm_draft_offload.page_kernel import (
+    DEFAULT_PROGRAMS,
+    PageKernel,
+    kernel_can_move,
+    tile_bytes,
+    triton_missing,
+)
 from vllm_draft_offload.transfers import (
     Descriptors,
     HostPool,
@@ -47,29 +55,10 @@ from vllm_draft_offload.transfers import (
 
 logger = logging.getLogger(__name__)
 
-# The kernel moves 8-byte words: a descriptor whose size or either address is not
-# a multiple of this always goes to DMA.
-WORD_BYTES = 8
-# Largest chunk one kernel iteration moves per program (vLLM's choice).
-MAX_KERNEL_CHUNK_BYTES = 8192
-
-
-@dataclass(frozen=True)
-class AutoRule:
-    """``auto``: descriptors smaller than ``max_bytes`` go to the kernel, when there
-    are at least ``min_count`` of them in the batch."""
-
-    max_bytes: int
-    min_count: int
-
-
-@functools.cache
-def auto_rules() -> dict[Direction, AutoRule]:
-    """The ``auto`` table, per direction, from vLLM's tuned constants."""
-    from vllm.v1.kv_offload.cpu.swap_blocks_triton import MIN_N, THRESHOLD_BYTES
-
-    rule = AutoRule(max_bytes=THRESHOLD_BYTES, min_count=MIN_N)
-    return {"load": rule, "store": rule}
+# torch caches page-locked blocks by power-of-two size; allocating one
+# (cudaHostAlloc) can stall the device, so the tile tables' sizes up to this many
+# bytes (2**18 tiles) are allocated at start and cached for the copies.
+TABLE_CACHE_BYTES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -80,124 +69,144 @@ class CopyPlan:
     memcpy: Descriptors
 
 
-def plan_copies(desc: Descriptors, direction: Direction, path: CopyPath) -> CopyPlan:
-    """Split a batch (merged into runs first) between the kernel and DMA.
+def plan_layers(
+    descs: Sequence[Descriptors],
+    direction: Direction,
+    path: CopyPath,
+    tile: int | None,
+    rules: Mapping[Direction, AutoRule],
+) -> list[CopyPlan]:
+    """Split each layer's batch (merged into runs first) between the kernel and DMA.
 
-    ``path`` is the effective path: ``kernel`` sends every word-aligned descriptor
-    to the kernel, ``memcpy`` none, ``auto`` those ``auto_rules()`` picks.
+    ``path`` is the effective path: ``kernel`` sends every descriptor the kernel can
+    move (whole ``tile``s, 16-byte aligned ends) to it, ``memcpy`` none, ``auto``
+    those of at most the rule's size, when the layers together have at least the
+    rule's count of them (they share one launch).
     """
-    desc = desc.coalesced()
-    if path == "memcpy" or not len(desc.sizes):
-        return CopyPlan(desc.select(np.zeros(len(desc.sizes), dtype=bool)), desc)
-    pick = (
-        (desc.sizes % WORD_BYTES == 0)
-        & (desc.src % WORD_BYTES == 0)
-        & (desc.dst % WORD_BYTES == 0)
-        & (desc.sizes > 0)
-    )
-    if path == "auto":
-        rule = auto_rules()[direction]
-        pick &= desc.sizes < rule.max_bytes
-        if int(pick.sum()) < rule.min_count:
-            pick[:] = False
-    elif path != "kernel":
+    merged = [desc.coalesced() for desc in descs]
+    if path not in ("auto", "kernel", "memcpy"):
         raise ValueError(f"unknown copy path {path!r}")
-    return CopyPlan(desc.select(pick), desc.select(~pick))
+    picks = [np.zeros(len(desc.sizes), dtype=bool) for desc in merged]
+    if path != "memcpy" and tile is not None:
+        picks = [kernel_can_move(desc, tile) for desc in merged]
+        if path == "auto":
+            rule = rules[direction]
+            picks = [
+                pick & (desc.sizes <= rule.max_bytes)
+                for pick, desc in zip(picks, merged, strict=True)
+            ]
+            if sum(int(pick.sum()) for pick in picks) < rule.min_count:
+                picks = [np.zeros_like(pick) for pick in picks]
+    return [CopyPlan(d.select(p), d.select(~p)) for d, p in zip(merged, picks, strict=True)]
 
 
-def kernel_chunk_bytes(page_bytes: Iterable[int]) -> int:
-    """Bytes one kernel program moves per iteration: the next power of two of the
-    largest page, at most 8 KiB (vLLM's rule). Fixed per worker, so the kernel is
-    compiled once, at start."""
-    largest = max(page_bytes, default=WORD_BYTES)
-    chunk = 1 << max(0, (int(largest) - 1).bit_length())
-    return max(WORD_BYTES, min(chunk, MAX_KERNEL_CHUNK_BYTES))
+def plan_copies(
+    desc: Descriptors,
+    direction: Direction,
+    path: CopyPath,
+    tile: int | None,
+    rules: Mapping[Direction, AutoRule],
+) -> CopyPlan:
+    """``plan_layers`` of a single batch."""
+    return plan_layers([desc], direction, path, tile, rules)[0]
 
 
 def kernel_unavailable(pinned: bool) -> str | None:
-    """Why the kernel cannot run here, or None."""
+    """Why the kernel cannot run on this GPU host, or None."""
     if not pinned:
         return "the host pool is not page-locked, so the GPU cannot address it"
     from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
 
     if not current_platform.is_cuda():
         # ROCm host mappings and XPU lack what the kernel needs (vLLM's own check).
         return f"the platform is {current_platform.device_name}, not CUDA"
-    if not HAS_TRITON:
+    if triton_missing():
         return "Triton is not available"
     return None
 
 
-def kernel_table(desc: Descriptors) -> torch.Tensor:
-    """(src, dst, size) rows as one int64 tensor, page-locked on a GPU host so the
-    kernel's descriptor uploads are asynchronous (a pageable upload may wait for
-    the stream, which waits for the forward)."""
-    table = torch.empty(
-        (3, len(desc.sizes)), dtype=torch.int64, pin_memory=torch.cuda.is_available()
-    )
-    table.numpy()[:] = np.stack([desc.src, desc.dst, desc.sizes])
-    return table
-
-
-def launch_kernel(
-    desc: Descriptors, stream: torch.cuda.Stream, chunk_bytes: int
-) -> list[torch.Tensor]:
-    """Enqueue vLLM's gather/scatter kernel on ``stream``; tensors to keep alive."""
-    from vllm.v1.kv_offload.cpu.swap_blocks_triton import swap_blocks_batch
-
-    table = kernel_table(desc)
-    with torch.cuda.stream(stream):
-        # Below vLLM's MIN_N descriptors this runs the DMA batch instead.
-        swap_blocks_batch(table[0], table[1], table[2], bytes_per_chunk=chunk_bytes)
-    return [table]
+def _read_rules(gpu: str | None) -> tuple[dict[Direction, AutoRule], str]:
+    """``auto``'s table for this GPU and where it comes from. A table that cannot be
+    read must not stop the engine: then ``auto`` sends everything to DMA (logged)."""
+    try:
+        return auto_rules(gpu), rule_source(gpu)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning(
+            "DraftOffloadConnector: copy_path=auto's table %s cannot be read (%r): auto uses "
+            "memcpy only",
+            copy_rules.RULES_FILE,
+            exc,
+        )
+        return dict(DMA_ONLY), "unreadable table: DMA only"
 
 
 class CopyEngine:
-    """A worker's copies, each batch run by the path ``plan_copies`` picks.
+    """A worker's copies, each batch split by ``plan_layers``.
 
-    On CPU tensors (CI) every batch runs as memmove, whatever the setting.
+    On CPU tensors (CI) every batch runs now: the DMA share as memmove, the
+    kernel's share through the kernel's CPU interface (its host fallback, or Triton's
+    interpreter under TRITON_INTERPRET=1), so the split and the tile tables the GPU
+    would run are exercised too.
     """
 
     def __init__(
-        self, setting: CopyPath, pool: HostPool, page_bytes: Iterable[int], on_device: bool
+        self,
+        setting: CopyPath,
+        pool: HostPool,
+        page_bytes: Iterable[int],
+        on_device: bool,
+        programs: int = DEFAULT_PROGRAMS,
+        rules: Mapping[Direction, AutoRule] | None = None,
     ) -> None:
         self.setting = setting
         self.on_device = on_device
-        self.chunk_bytes = kernel_chunk_bytes(page_bytes)
+        self.tile = tile_bytes(page_bytes)
+        gpu = torch.cuda.get_device_name() if on_device and torch.cuda.is_available() else None
+        self.rules, source = (dict(rules), "given") if rules is not None else _read_rules(gpu)
+        self.kernel = PageKernel(self.tile, programs) if self.tile is not None else None
         # The path batches actually take: the setting, unless the kernel cannot run.
-        self.path: CopyPath = setting if on_device else "memcpy"
-        if on_device and setting != "memcpy":
-            reason = kernel_unavailable(pool.pinned) or self._warm_up(pool)
+        self.path: CopyPath = setting
+        if setting != "memcpy":
+            reason = self._kernel_unavailable(pool)
             if reason is not None:
                 log = logger.warning if setting == "kernel" else logger.info
                 log("DraftOffloadConnector: copy_path=%s uses memcpy only: %s", setting, reason)
-                self.path = "memcpy"
+                self.path, self.kernel = "memcpy", None
+            elif setting == "auto" and on_device:
+                logger.info(
+                    "DraftOffloadConnector: copy_path=auto, kernel up to %d B loads and %d B "
+                    "stores, tile %d B, %d programs (table: %s)",
+                    self.rules["load"].max_bytes,
+                    self.rules["store"].max_bytes,
+                    self.tile,
+                    programs,
+                    source,
+                )
+
+    def _kernel_unavailable(self, pool: HostPool) -> str | None:
+        if self.tile is None:
+            return "the page sizes share no power of two of 16 bytes or more"
+        if not self.on_device:
+            return None  # the kernel's CPU interface always runs
+        return kernel_unavailable(pool.pinned) or self._warm_up(pool)
 
     def _warm_up(self, pool: HostPool) -> str | None:
         """Compile the kernel now, not on the first hit (a compile takes about a
-        second). Triton specialises integer arguments on divisibility by 16, so
-        both variants of the descriptor count are built, with at least vLLM's
-        minimum count (below it vLLM's wrapper runs DMA). Reads the pool, writes a
-        scratch tensor."""
-        at_least = max(rule.min_count for rule in auto_rules().values())
-        multiple = -(-at_least // 16) * 16
+        second): one tile from the pool into a scratch tensor. Also caches the
+        page-locked blocks of the tile tables' sizes."""
+        assert self.kernel is not None and self.tile is not None
         try:
-            scratch = torch.empty((multiple + 1) * WORD_BYTES, dtype=torch.uint8, device="cuda")
+            scratch = torch.empty(self.tile, dtype=torch.uint8, device="cuda")
             stream = torch.cuda.Stream()
-            for count in (multiple, multiple + 1):
-                offsets = np.arange(count, dtype=np.int64) * WORD_BYTES
-                desc = Descriptors(
-                    pool.base + offsets,
-                    scratch.data_ptr() + offsets,
-                    np.full(count, WORD_BYTES, dtype=np.int64),
-                )
-                launch_kernel(desc, stream, self.chunk_bytes)
+            one = np.array([self.tile], dtype=np.int64)
+            desc = Descriptors(np.array([pool.base]), np.array([scratch.data_ptr()]), one)
+            keepalive = self.kernel.copy(desc, stream)
             stream.synchronize()
-            # torch caches page-locked blocks by power-of-two size; allocating one
-            # (cudaHostAlloc) can stall the device, so the descriptor tables' sizes
-            # (up to 2**17 copies) are allocated now and cached for the copies.
-            cached = [torch.empty(3 << k, dtype=torch.int64, pin_memory=True) for k in range(18)]
+            del keepalive
+            cached = [
+                torch.empty(1 << k, dtype=torch.uint8, pin_memory=True)
+                for k in range(4, TABLE_CACHE_BYTES.bit_length())
+            ]
             del cached
         except Exception as exc:  # a broken Triton install must not stop serving
             return f"the kernel failed to build or run ({exc!r})"
@@ -208,13 +217,36 @@ class CopyEngine:
     ) -> list[torch.Tensor]:
         """Copy a batch: enqueued on ``stream`` (GPU), or done now (``None``: CPU).
         Returns the tensors to keep alive until the stream passes this point."""
-        if stream is None:
-            run_descriptors_on_host(desc)
-            return []
-        plan = plan_copies(desc, direction, self.path)
+        plan = plan_copies(desc, direction, self.path, self.tile, self.rules)
+        return self._run([plan], stream, mark=False)[0]
+
+    def run_layers(
+        self, descs: Sequence[Descriptors], direction: Direction, stream: torch.cuda.Stream | None
+    ) -> tuple[list[torch.Tensor], list[torch.cuda.Event | None]]:
+        """Copy one batch per layer: the kernel's share of every layer in one launch,
+        then each layer's DMA share. Returns the tensors to keep alive and, per layer,
+        an event recorded once its bytes are in place (None on CPU: already done)."""
+        plans = plan_layers(descs, direction, self.path, self.tile, self.rules)
+        return self._run(plans, stream, mark=True)
+
+    def _run(
+        self, plans: list[CopyPlan], stream: torch.cuda.Stream | None, mark: bool
+    ) -> tuple[list[torch.Tensor], list[torch.cuda.Event | None]]:
         keepalive: list[torch.Tensor] = []
-        if len(plan.kernel.sizes):
-            keepalive += launch_kernel(plan.kernel, stream, self.chunk_bytes)
-        if len(plan.memcpy.sizes):
-            keepalive += run_descriptors_on_stream(plan.memcpy, stream)
-        return keepalive
+        kernel_share = Descriptors.concat([plan.kernel for plan in plans])
+        if len(kernel_share.sizes):
+            assert self.kernel is not None
+            keepalive += self.kernel.copy(kernel_share, stream)
+        events: list[torch.cuda.Event | None] = []
+        for plan in plans:
+            if len(plan.memcpy.sizes):
+                if stream is None:
+                    run_descriptors_on_host(plan.memcpy)
+                else:
+                    keepalive += run_descriptors_on_stream(plan.memcpy, stream)
+            event = None
+            if mark and stream is not None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
+            events.append(event)
+        return keepalive, events

@@ -316,17 +316,19 @@ class DraftOffloadWorker:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record(self._load_stream)
         last_event: torch.Event | None = None
-        keepalive: list[torch.Tensor] = []
         assert self.copier is not None
-        for region in self._ordered_regions():
-            desc = Descriptors.concat([copies[region.slot.name] for _, copies in planned])
+        regions = self._ordered_regions()
+        descs = [Descriptors.concat([c[r.slot.name] for _, c in planned]) for r in regions]
+        for region, desc in zip(regions, descs, strict=True):
             num_bytes[region.slot.is_draft] += desc.num_bytes
-            keepalive += self.copier.run(desc, "load", self._load_stream)
-            if self._load_stream is not None:
-                last_event = torch.cuda.Event(enable_timing=True)
-                last_event.record(self._load_stream)
+        # Every layer's small pages in one kernel launch, then each layer's DMA share,
+        # with an event per layer (copy_paths.py).
+        keepalive, events = self.copier.run_layers(descs, "load", self._load_stream)
+        for region, event in zip(regions, events, strict=True):
+            if event is not None:
+                last_event = event
                 if not self.async_loads:
-                    self._layer_events[region.slot.name] = last_event
+                    self._layer_events[region.slot.name] = event
         if self.async_loads:
             # No forward reads these blocks before every worker reports the
             # request in finished_recving: no waits, only the final event.

@@ -33,6 +33,11 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench", "workloads.run", "workload benchmark: ours vs vLLM native vs LMCache"),
     Command("restore-speed", "speed.restore", "TTFT and copy GB/s of a restore at 8B/1B shapes"),
     Command("copy-speed", "speed.copy", "copy GB/s by page size: DMA vs Triton kernel vs auto"),
+    Command(
+        "decode-overhead",
+        "speed.decode_overhead",
+        "decode tok/s storing every chunk vs no connector; multi-turn decode-KV reuse",
+    ),
     Command("l3-speed", "speed.l3_fetch", "storage-tier fetch GB/s by threads, next to raw disk"),
     Command("shared-storage", "accept.shared_storage", "two engines, one fs:// dir: B hits A"),
     Command("pressure", "stress.pressure", "working set > GPU cache: outputs, hits, acceptance"),
@@ -44,7 +49,7 @@ EXAMPLES = f"""shared options, spelled the same in every command that has them:
   --fixtures DIR    the fixture directory `{PROG} fixtures --out DIR` wrote
   --out PATH        where results go: a directory (fixtures, bench, shared-storage,
                     pressure, soak) or a file (accept, table, restore-speed,
-                    copy-speed, l3-speed)
+                    copy-speed, decode-overhead, l3-speed)
   --enforce-eager   engines without CUDA graphs: faster starts (the default of
                     pressure and soak, whose --compile turns it off)
 

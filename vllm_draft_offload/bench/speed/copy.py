@@ -12,10 +12,19 @@ queue is shuffled. Each batch runs through the connector's own ``CopyEngine`` wi
 path's bytes are checked bit for bit after its first pass. The limit is a pinned
 ``copy_`` of the same number of bytes in one piece, each direction, in the same run.
 
+``memcpy`` and ``kernel`` run first, for every page size; ``auto``'s table is then
+derived from them (``copy_rules.rules_from_rows``: per direction, the largest page
+size up to which the kernel was at least as fast as DMA at every size) and ``auto``
+runs with it, so its rows show the measured chooser (``auto_rules``, with its source;
+the shipped table when ``memcpy`` or ``kernel`` did not run). ``--write-rules`` stores
+the derived entry under this GPU's name in the table ``auto`` reads at start
+(``vllm_draft_offload/copy_rules.json`` by default). ``--kernel-programs`` sets the
+kernel's grid (programs in flight).
+
 ``summary.<direction>.auto_min_vs_pinned_from_4KiB`` is the issue's goal (>= 0.8);
-``kernel_faster_up_to_bytes`` is the largest page size where the kernel beat DMA,
-to set ``auto``'s threshold against. ``--dry-run-cpu`` runs the same code on CPU
-tensors (memmove; no timing worth reading).
+``kernel_faster_up_to_bytes`` is the largest page size where the kernel beat DMA.
+``--dry-run-cpu`` runs the same code on CPU tensors (the DMA share as memmove, the
+kernel's share through its CPU fallback; no timing worth reading).
 """
 
 from __future__ import annotations
@@ -30,12 +39,24 @@ import numpy as np
 import torch
 
 from vllm_draft_offload.bench.options import command_parser
-from vllm_draft_offload.copy_paths import CopyEngine, auto_rules, plan_copies
+from vllm_draft_offload.copy_paths import CopyEngine, plan_copies
+from vllm_draft_offload.copy_rules import (
+    RULES_FILE,
+    AutoRule,
+    auto_rules,
+    rule_source,
+    rules_from_rows,
+    write_rules,
+)
+from vllm_draft_offload.metric_defs import Direction
+from vllm_draft_offload.page_kernel import DEFAULT_PROGRAMS
 from vllm_draft_offload.transfers import Descriptors, HostPool
 
 EXAMPLES = """examples:
   vllm-draft-offload copy-speed --out $OUT/copy_speed.json
   vllm-draft-offload copy-speed --pages-kib 4,8,32 --total-mib 64 --reps 3 --out /tmp/c.json
+  vllm-draft-offload copy-speed --write-rules --out $OUT/copy_speed.json
+  vllm-draft-offload copy-speed --kernel-programs 64 --paths kernel --out /tmp/k64.json
   vllm-draft-offload copy-speed --dry-run-cpu --total-mib 4 --out /tmp/copy_cpu.json
 """
 SETTINGS = ("memcpy", "kernel", "auto")
@@ -146,14 +167,14 @@ class Rig:
 def measure(args: Any) -> dict[str, Any]:
     on_device = torch.cuda.is_available() and not args.dry_run_cpu
     total = int(args.total_mib * 2**20)
-    rule = auto_rules()["load"]
+    gpu = torch.cuda.get_device_name() if on_device else None
     report: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name() if on_device else "cpu (dry run)",
+        "gpu": gpu or "cpu (dry run)",
         "on_device": on_device,
         "torch": torch.__version__,
         "total_bytes": total,
         "reps": args.reps,
-        "auto_rule": {"max_bytes": rule.max_bytes, "min_count": rule.min_count},
+        "kernel_programs": args.kernel_programs,
         "pinned_memcpy_GBps": {
             "load": pinned_memcpy_gbps(total, True) if on_device else _host_memcpy_gbps(total, 3),
             "store": pinned_memcpy_gbps(total, False) if on_device else _host_memcpy_gbps(total, 3),
@@ -162,44 +183,72 @@ def measure(args: Any) -> dict[str, Any]:
     }
     rig = Rig(total, on_device)
     try:
+        forced = [setting for setting in args.paths if setting != "auto"]
         for kib in args.pages_kib:
-            page = int(kib * 1024)
-            count = total // page
-            blocks, load, store = scattered_pages(
-                rig.pool.base, rig.device.data_ptr(), page, count, seed=page
-            )
-            for setting in args.paths:
-                engine = CopyEngine(setting, rig.pool, [page], on_device)
-                for direction, desc in (("load", load), ("store", store)):
-                    plan = plan_copies(desc, direction, engine.path)  # type: ignore[arg-type]
-                    exact = rig.bit_exact(engine, desc, direction, blocks, page)
-                    seconds = [rig.run(engine, desc, direction) for _ in range(args.reps)]
-                    gbps = [desc.num_bytes / s / 1e9 for s in seconds]
-                    limit = report["pinned_memcpy_GBps"][direction]
-                    row = {
-                        "page_bytes": page,
-                        "direction": direction,
-                        "setting": setting,
-                        "path": engine.path if on_device else "memmove",
-                        "kernel_copies": len(plan.kernel.sizes) if on_device else 0,
-                        "memcpy_copies": len(plan.memcpy.sizes) if on_device else count,
-                        "GBps": max(gbps),
-                        "GBps_median": statistics.median(gbps),
-                        "vs_pinned_memcpy": max(gbps) / limit,
-                        "bit_exact": exact,
-                    }
-                    report["rows"].append(row)
-                    print(
-                        f"{page // 1024:>5} KiB {direction:5} {setting:6} -> "
-                        f"{row['kernel_copies']:>6} kernel {row['memcpy_copies']:>6} memcpy  "
-                        f"{row['GBps']:7.2f} GB/s  {row['vs_pinned_memcpy']:.2f} x pinned  "
-                        f"exact={exact}",
-                        flush=True,
-                    )
+            for setting in forced:
+                measure_page(args, rig, report, kib, setting, None)
+        rules, source = auto_rules(gpu), f"table: {rule_source(gpu)}"
+        if {"memcpy", "kernel"} <= set(forced):
+            rules, source = rules_from_rows(report["rows"]), "derived from this run"
+        report["auto_rules"] = {d: rule.to_dict() for d, rule in rules.items()}
+        report["auto_rules_source"] = source
+        if "auto" in args.paths:
+            for kib in args.pages_kib:
+                measure_page(args, rig, report, kib, "auto", rules)
     finally:
         rig.close()
     summarize(report)
     return report
+
+
+def measure_page(
+    args: Any,
+    rig: Rig,
+    report: dict[str, Any],
+    kib: float,
+    setting: str,
+    rules: dict[Direction, AutoRule] | None,
+) -> None:
+    """Loads and stores of one page size by one setting: a row each."""
+    page = int(kib * 1024)
+    count = rig.total // page
+    blocks, load, store = scattered_pages(
+        rig.pool.base, rig.device.data_ptr(), page, count, seed=page
+    )
+    engine = CopyEngine(
+        setting,  # type: ignore[arg-type]
+        rig.pool,
+        [page],
+        rig.on_device,
+        programs=args.kernel_programs,
+        rules=rules,
+    )
+    for direction, desc in (("load", load), ("store", store)):
+        plan = plan_copies(desc, direction, engine.path, engine.tile, engine.rules)  # type: ignore[arg-type]
+        exact = rig.bit_exact(engine, desc, direction, blocks, page)
+        seconds = [rig.run(engine, desc, direction) for _ in range(args.reps)]
+        gbps = [desc.num_bytes / s / 1e9 for s in seconds]
+        limit = report["pinned_memcpy_GBps"][direction]
+        row = {
+            "page_bytes": page,
+            "direction": direction,
+            "setting": setting,
+            "path": engine.path if rig.on_device else f"{engine.path} (cpu)",
+            "kernel_copies": len(plan.kernel.sizes),
+            "memcpy_copies": len(plan.memcpy.sizes),
+            "GBps": max(gbps),
+            "GBps_median": statistics.median(gbps),
+            "vs_pinned_memcpy": max(gbps) / limit,
+            "bit_exact": exact,
+        }
+        report["rows"].append(row)
+        print(
+            f"{page // 1024:>5} KiB {direction:5} {setting:6} -> "
+            f"{row['kernel_copies']:>6} kernel {row['memcpy_copies']:>6} memcpy  "
+            f"{row['GBps']:7.2f} GB/s  {row['vs_pinned_memcpy']:.2f} x pinned  "
+            f"exact={exact}",
+            flush=True,
+        )
 
 
 def summarize(report: dict[str, Any]) -> None:
@@ -242,6 +291,15 @@ def summarize(report: dict[str, Any]) -> None:
     print(json.dumps(summary, indent=1), flush=True)
 
 
+def measured_by(args: Any, report: dict[str, Any]) -> str:
+    """The table entry's provenance: when, which run, which kernel grid."""
+    when = time.strftime("%Y-%m-%d")
+    return (
+        f"copy-speed {when} (torch {report['torch']}, {args.kernel_programs} kernel programs, "
+        f"{report['total_bytes'] >> 20} MiB batches, best of {args.reps}): {Path(args.out).name}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("copy-speed", __doc__, EXAMPLES)
     parser.add_argument("--out", required=True)
@@ -259,14 +317,36 @@ def main(argv: list[str] | None = None) -> None:
         help="copy_path settings to run (memcpy, kernel, auto)",
     )
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--kernel-programs",
+        type=int,
+        default=DEFAULT_PROGRAMS,
+        help=f"the kernel's programs in flight (default {DEFAULT_PROGRAMS}, the connector's)",
+    )
+    parser.add_argument(
+        "--write-rules",
+        nargs="?",
+        const=str(RULES_FILE),
+        metavar="PATH",
+        help="store the auto table derived from this run under this GPU's name "
+        f"(default file: {RULES_FILE.name} in the package)",
+    )
     parser.add_argument("--dry-run-cpu", action="store_true", help="CPU tensors (no GPU)")
     args = parser.parse_args(argv)
     unknown = set(args.paths) - set(SETTINGS)
     if unknown:
         parser.error(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
+    if args.kernel_programs < 1:
+        parser.error("--kernel-programs: at least 1")
+    if args.write_rules and (args.dry_run_cpu or not {"memcpy", "kernel"} <= set(args.paths)):
+        parser.error("--write-rules: needs a GPU run of both memcpy and kernel (not --dry-run-cpu)")
     report = measure(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.write_rules:
+        rules = rules_from_rows(report["rows"])
+        write_rules(report["gpu"], rules, measured_by(args, report), Path(args.write_rules))
+        print(f"auto table for {report['gpu']} written to {args.write_rules}", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ Shapes (`--shape`, several comma-separated in one run): `llama8b` (32 layers,
 8 KV heads x 128, 64 KiB pages per block of 16 tokens, 4-layer drafter) and
 `small` (a Llama-3.2-1B shape: 16 layers, 8 KV heads x 64, 32 KiB pages, 2-layer
 drafter). `table` holds one row per shape: restore and store GB/s / pinned
-memcpy, and hit TTFT (first and steady) / recompute and / native. With one shape
+memcpy, hit TTFT (first and steady) / recompute and / native, and the first hit
+over the steady ones (`first_over_steady`, ours and native). With one shape
 the report keeps its single-shape layout; with several, each shape's report is
 under `shapes`. `--copy-path` sets the connector's `copy_path` (default: the
 connector's default, `auto`); `vllm-draft-offload copy-speed` measures the paths
@@ -710,7 +711,16 @@ def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "native_steady_vs_recompute": native.get("ratio_to_recompute"),
         "first_vs_native": summary.get("ours_vs_native_ttft_first"),
         "steady_vs_native": summary.get("ours_vs_native_ttft"),
+        # Issue 13's item 4: the engine's first hit as fast as its steady ones (~1).
+        "first_over_steady": _over(ours.get("hit_ttft_s_first"), ours.get("hit_ttft_s_steady")),
+        "native_first_over_steady": _over(
+            native.get("hit_ttft_s_first"), native.get("hit_ttft_s_steady")
+        ),
     }
+
+
+def _over(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
 
 
 if __name__ == "__main__":

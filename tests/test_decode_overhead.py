@@ -1,0 +1,162 @@
+"""`vllm-draft-offload decode-overhead`: its bookkeeping on CPU (the engines need a GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.speed import decode_overhead as dec
+
+
+def test_store_config_stores_decode_and_none_has_no_connector() -> None:
+    assert dec.connector_config("none", 24, 256) is None
+    store = dec.connector_config("store", 1.5, 128)
+    assert store is not None and store["kv_connector"] == "DraftOffloadConnector"
+    assert store["kv_connector_extra_config"] == {
+        "cpu_bytes_to_use": int(1.5 * 2**30),
+        "chunk_size": 128,
+        "store_decode": True,
+    }
+    with pytest.raises(ValueError, match="unknown config"):
+        dec.connector_config("native", 1, 256)
+
+
+def test_prompts_are_new_to_every_batch_and_the_same_in_every_engine() -> None:
+    batches = [dec.batch_prompts(rep, 4, 300) for rep in (-1, 0, 1)]
+    firsts = {tuple(p[:16]) for batch in batches for p in batch}
+    assert len(firsts) == 12  # no two prompts share a first block: no prefix hits
+    assert dec.batch_prompts(0, 4, 300) == batches[1]  # none and store see the same
+    assert all(len(p) == 300 and min(p) >= dec.FIRST_TOKEN for b in batches for p in b)
+
+
+def test_whole_chunks_leave_out_the_last_sampled_token() -> None:
+    assert dec.whole_chunks(1024, 512, 256) == 5  # 1535 tokens have KV
+    assert dec.whole_chunks(1024, 257, 256) == 5
+    assert dec.whole_chunks(1024, 256, 256) == 4  # the answer's chunk lacks one token
+    # The default turn 1 answer is long enough for decode KV to be stored and reused.
+    args = dec.build_parser().parse_args(["--out", "x"])
+    reused = dec.whole_chunks(args.prompt_tokens, args.turn_decode_tokens, args.chunk_size)
+    assert reused * args.chunk_size > args.prompt_tokens
+
+
+def test_decode_rate_spans_last_first_token_to_last_token() -> None:
+    records = [
+        {"out_len": 101, "first_ts": 10.0, "last_ts": 12.0},
+        {"out_len": 101, "first_ts": 10.5, "last_ts": 12.5},
+    ]
+    assert dec.decode_rate(records) == {
+        "decode_tokens": 200,
+        "decode_s": 2.0,
+        "decode_tok_s": 100.0,
+    }
+    # No engine timestamps (metrics off): no rate rather than a wrong one.
+    assert dec.decode_rate([{"out_len": 5}])["decode_tok_s"] is None
+
+
+def _rep(rate: float, stored: float = 80.0) -> dict:
+    return {"decode_tok_s": rate, "stored_chunks": stored, "hit_tokens": 0}
+
+
+def _turns(restored_hits: list[int], same: bool = True) -> dict:
+    return {
+        "prompt_tokens": 1024,
+        "answer_tokens": 384,
+        "turn2_tokens": [1472, 1472],
+        "fresh": {"outputs": [[1, 2]], "hit_tokens": [0, 0], "acceptance_length": 2.0},
+        "restored": {
+            "outputs": [[1, 2]] if same else [[1, 3]],
+            "hit_tokens": restored_hits,
+            "acceptance_length": 1.9,
+        },
+    }
+
+
+def _report(**configs: list) -> dict:
+    return {
+        "batch": 16, "prompt_tokens": 1024, "decode_tokens": 512, "chunk_size": 256,
+        "configs": configs,
+    }  # fmt: skip
+
+
+def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None:
+    report = _report(
+        none=[{"reps": [_rep(1000.0), _rep(1010.0)]}, {"reps": [_rep(990.0)]}],
+        store=[
+            {"reps": [_rep(980.0), _rep(985.0, stored=79.0)], "turns": _turns([1280, 1280])},
+            {"reps": [_rep(975.0)]},
+        ],
+    )
+    dec.summarize(report)
+    summary = report["summary"]
+    assert summary["decode_tok_s"] == {"none": 1000.0, "store": 980.0}
+    assert summary["store_vs_none"] == 0.98 and summary["goal_0.97_met"] is True
+    assert summary["expected_chunks_per_batch"] == 16 * 5
+    assert summary["stored_fraction"] == 79.0 / 80.0  # the worst batch
+    turns = summary["turns"]
+    assert turns["expected_hit_tokens"] == 1280 and turns["decode_kv_reused"] is True
+    assert turns["outputs_match"] is True and turns["acceptance_ratio"] == 1.9 / 2.0
+    row = dec.table_row("small", report)
+    assert row == {
+        "shape": "small", "decode_tok_s_none": 1000.0, "decode_tok_s_store": 980.0,
+        "store_vs_none": 0.98, "stored_fraction": 79.0 / 80.0,
+        "turn2_decode_kv_reused": True, "turn2_outputs_match": True,
+        "turn2_acceptance_ratio": 0.95,
+    }  # fmt: skip
+
+
+def test_a_slow_store_a_prompt_only_hit_or_a_failed_engine_show() -> None:
+    report = _report(
+        none=[{"reps": [_rep(1000.0)]}],
+        store=[{"reps": [_rep(960.0)], "turns": _turns([1024, 1280], same=False)}],
+    )
+    dec.summarize(report)
+    summary = report["summary"]
+    assert summary["goal_0.97_met"] is False
+    # One request hit only its prompt: its answer's decode KV was not reused.
+    assert summary["turns"]["decode_kv_reused"] is False
+    assert summary["turns"]["outputs_match"] is False
+    failed = _report(none=[{"error": "engine died"}], store=[{"reps": [_rep(960.0)]}])
+    dec.summarize(failed)
+    assert failed["summary"]["store_vs_none"] is None
+    assert failed["summary"]["goal_0.97_met"] is None
+    assert dec.table_row("llama8b", failed)["turn2_outputs_match"] is None
+
+
+def test_child_gets_every_setting_of_the_parent(tmp_path: Path) -> None:
+    parser = dec.build_parser()
+    args = parser.parse_args(
+        ["--out", "o.json", "--batch", "8", "--prompt-tokens", "512", "--decode-tokens", "300",
+         "--reps", "2", "--chunk-size", "128", "--cpu-gib", "3.5", "--gpu-mem", "0.4",
+         "--turn-prompts", "2", "--turn-decode-tokens", "200", "--turn-user-tokens", "32",
+         "--enforce-eager"]
+    )  # fmt: skip
+    cmd = dec.child_command(args, "store", "/t", "/d", tmp_path / "c.json")
+    assert cmd[1:3] == ["-m", dec.MODULE]
+    child = parser.parse_args(cmd[3:])
+    assert (child.child, child.config, child.target, child.draft) == (
+        str(tmp_path / "c.json"), "store", "/t", "/d",
+    )  # fmt: skip
+    for flag in dec.CHILD_FLAGS:
+        assert getattr(child, flag) == getattr(args, flag), flag
+    assert child.enforce_eager is True
+    assert "--draft" not in dec.child_command(args, "none", "/t", None, tmp_path / "n.json")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--shape", "small,huge"], "--shape"),
+        (["--shape", "small,small"], "--shape"),
+        (["--configs", "none,native"], "--configs"),
+        (["--reps", "0"], "--reps"),
+        (["--turn-prompts", "-1"], "--turn-prompts"),
+    ],
+)
+def test_bad_options_are_refused_by_name(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["decode-overhead", "--out", "/tmp/never.json", *argv])
+    assert flag in capsys.readouterr().err

@@ -1,0 +1,450 @@
+"""Decode throughput with the connector storing every chunk vs no connector, and the
+multi-turn decode-KV reuse check, at the Llama-8B and 1B shapes (issue 13, item 3).
+
+    vllm-draft-offload decode-overhead --out $OUT/decode_overhead.json [--shape small,llama8b]
+
+Weights are random (``load_format="dummy"``), with a ``draft_model`` drafter of the
+shape's (restore-speed's shapes: ``llama8b`` 32 layers + a 4-layer drafter, ``small`` a
+Llama-3.2-1B geometry + a 2-layer drafter). Per shape, each configuration runs in its
+own engine (a child process), one after another, ``--rounds`` times alternating:
+
+* ``none``: no KV connector (GPU prefix caching on, as in ``store``);
+* ``store``: DraftOffloadConnector, CPU tier, ``store_decode`` on: every whole chunk of
+  every request is stored, the prompt's while the batch decodes and the answer's as it
+  is produced; no request ever hits (every prompt is new).
+
+Each engine decodes ``--reps`` batches of ``--batch`` new prompts of
+``--prompt-tokens`` tokens, ``--decode-tokens`` tokens each (greedy, EOS ignored), after
+a warm-up batch. Decode throughput is the batch's output tokens after the first, over
+the time from the last request's first token to the last request's last token (the
+engine's own timestamps); ``store_vs_none`` is the median of ``store`` over the median
+of ``none`` (the goal: >= 0.97). ``stored_fraction``: chunks the connector stored over
+the batch's whole chunks (the last token of an answer has no KV, so a request has
+``(prompt + decode - 1) // chunk`` of them).
+
+The ``store`` engine then runs the multi-turn check: turn 1 answers ``--turn-prompts``
+prompts; turn 2 sends each prompt + its answer + new user tokens twice, once salted
+(``cache_salt``: neither vLLM's prefix cache nor the connector can hit, so it is
+computed fresh) and once plain, after the GPU prefix cache was emptied, so the prompt
+and the answer's decode KV come back from the CPU tier. ``turns``: hit tokens against
+the prompt's length (more means decode KV was reused), outputs equal, and the
+acceptance length restored over fresh (the goal: parity). With random weights the
+drafter's acceptance hardly depends on KV, so this shows the path works at real
+sizes; ``vllm-draft-offload accept`` on the fixtures is the KV-sensitive parity check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_draft_offload.bench.options import command_parser
+from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.speed.restore import SHAPES, VOCAB, kv_bytes_per_token, write_config
+from vllm_draft_offload.bench.workloads.run import CPU_ENV
+
+EXAMPLES = """examples:
+  vllm-draft-offload decode-overhead --shape small,llama8b --out $OUT/decode_overhead.json
+  vllm-draft-offload decode-overhead --shape small --rounds 2 --reps 2 --out /tmp/d.json
+"""
+MODULE = "vllm_draft_offload.bench.speed.decode_overhead"
+CONFIGS = ("none", "store")
+GOAL = 0.97
+STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
+LOADED_BYTES = "vllm:draft_offload_loaded_bytes_total"
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+# The parent's settings a child engine needs, passed on as they are.
+CHILD_FLAGS = (
+    "batch", "prompt_tokens", "decode_tokens", "reps", "chunk_size", "cpu_gib", "gpu_mem",
+    "turn_prompts", "turn_decode_tokens", "turn_user_tokens",
+)  # fmt: skip
+FIRST_TOKEN = 500  # token ids below this are left alone (specials of real vocabularies)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` random token ids, the same for a seed in every configuration."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(FIRST_TOKEN, VOCAB - 1000, n)]
+
+
+def batch_prompts(rep: int, batch: int, length: int) -> list[list[int]]:
+    """Batch ``rep``'s prompts (rep -1: the warm-up): new to every engine and rep."""
+    return [tokens(1_000_003 * (rep + 2) + i, length) for i in range(batch)]
+
+
+def whole_chunks(prompt_tokens: int, decode_tokens: int, chunk: int) -> int:
+    """Chunks of one request whose KV all exists: every token's but the last sampled."""
+    return (prompt_tokens + decode_tokens - 1) // chunk
+
+
+def connector_config(config: str, cpu_gib: float, chunk: int) -> dict[str, Any] | None:
+    if config == "none":
+        return None
+    if config != "store":
+        raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+    return {
+        "kv_connector": "DraftOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": int(cpu_gib * 2**30),
+            "chunk_size": chunk,
+            "store_decode": True,
+        },
+    }
+
+
+def decode_rate(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decode tokens/s of one batch from the engine's per-request timestamps: output
+    tokens after each request's first, from the last first token to the last token."""
+    tokens_after_first = sum(max(0, r["out_len"] - 1) for r in requests)
+    if not requests or any("first_ts" not in r for r in requests):
+        return {"decode_tokens": tokens_after_first, "decode_s": None, "decode_tok_s": None}
+    start = max(r["first_ts"] for r in requests)
+    end = max(r["last_ts"] for r in requests)
+    return {
+        "decode_tokens": tokens_after_first,
+        "decode_s": end - start,
+        "decode_tok_s": tokens_after_first / (end - start) if end > start else None,
+    }
+
+
+def acceptance_length(counters: dict[str, float]) -> float | None:
+    drafts = counters.get(DRAFTS, 0.0)
+    return 1.0 + counters.get(ACCEPTED, 0.0) / drafts if drafts > 0 else None
+
+
+# ----------------------------------------------------------------------------- child
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Child process: one engine, a warm-up batch, ``reps`` timed batches, and (``store``)
+    the multi-turn check."""
+    cpu: dict[str, Any] = {}
+    if args.dry_run_cpu:
+        from vllm_draft_offload.bench.accept.engine import prepare_cpu_platform
+
+        prepare_cpu_platform()
+        # CPU attention needs blocks of a multiple of 32; one process starts fastest.
+        cpu = {"block_size": 32, "distributed_executor_backend": "uni"}
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_draft_offload.bench.workloads.summary import sum_prefix
+    from vllm_draft_offload.bench.workloads.worker import (
+        metrics_delta,
+        request_record,
+        reset_prefix_cache_after_stores,
+        snapshot_metrics,
+    )
+
+    turn_len = args.prompt_tokens + args.turn_decode_tokens + args.turn_user_tokens
+    max_len = max(args.prompt_tokens + args.decode_tokens, turn_len + args.turn_decode_tokens)
+    llm = LLM(
+        model=args.target,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_len + 64,
+        # The whole batch's prefill in one step: every request then decodes together.
+        max_num_batched_tokens=max(8192, args.batch * args.prompt_tokens),
+        gpu_memory_utilization=args.gpu_mem,
+        enforce_eager=args.enforce_eager or args.dry_run_cpu,
+        enable_prefix_caching=True,
+        speculative_config={
+            "method": "draft_model",
+            "model": args.draft,
+            "num_speculative_tokens": 3,
+        }
+        if args.draft
+        else None,
+        kv_transfer_config=connector_config(args.config, args.cpu_gib, args.chunk_size),
+        disable_log_stats=False,
+        **cpu,
+    )
+
+    def generate(prompts: list[list[int]], max_tokens: int, salt: str | None = None) -> list:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        inputs = [
+            TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {}))
+            for p in prompts
+        ]
+        return llm.generate(inputs, params, use_tqdm=False)
+
+    def step() -> None:
+        """A request shorter than a block: the engine steps, nothing is stored."""
+        generate([[FIRST_TOKEN, FIRST_TOKEN + 1]], 1)
+
+    def settle() -> bool:
+        """Every store landed and the GPU prefix cache is empty; one more step brings
+        the stores' counters to this process."""
+        done = reset_prefix_cache_after_stores(llm, step, attempts=400, pause_s=0.05)
+        step()
+        return done is not None
+
+    generate(batch_prompts(-1, args.batch, args.prompt_tokens), args.decode_tokens)  # warm-up
+    settle()
+    result: dict[str, Any] = {"config": args.config, "reps": []}
+    for rep in range(args.reps):
+        before = snapshot_metrics()
+        start = time.perf_counter()
+        outs = generate(batch_prompts(rep, args.batch, args.prompt_tokens), args.decode_tokens)
+        wall = time.perf_counter() - start
+        settled = settle()  # outside the timed window: the last stores land
+        counters = metrics_delta(snapshot_metrics(), before)
+        records = [request_record(o, None) for o in outs]
+        result["reps"].append(
+            {
+                **decode_rate(records),
+                "wall_s": wall,
+                "output_tok_s": sum(r["out_len"] for r in records) / wall,
+                "stored_chunks": sum_prefix(counters, STORED_CHUNKS, tier="cpu"),
+                "loaded_bytes": sum_prefix(counters, LOADED_BYTES),
+                "hit_tokens": sum(r["cached"] for r in records),
+                "acceptance_length": acceptance_length(counters),
+                "settled": settled,
+            }
+        )
+        print(args.config, json.dumps(result["reps"][-1]), flush=True)
+    if args.config == "store" and args.turn_prompts > 0:
+        result["turns"] = multi_turn(args, generate, settle, snapshot_metrics, metrics_delta)
+    return result
+
+
+def multi_turn(args: argparse.Namespace, generate, settle, snapshot, delta) -> dict[str, Any]:  # noqa: ANN001
+    """Turn 1, then turn 2 (prompt + answer + user) computed fresh (salted) and restored."""
+    first = [tokens(7_000_001 + i, args.prompt_tokens) for i in range(args.turn_prompts)]
+    answers = [list(o.outputs[0].token_ids) for o in generate(first, args.turn_decode_tokens)]
+    second = [
+        p + a + tokens(9_000_001 + i, args.turn_user_tokens)
+        for i, (p, a) in enumerate(zip(first, answers, strict=True))
+    ]
+    phases: dict[str, Any] = {"settled_after_turn1": settle()}
+    for name, salt in (("fresh", "decode-overhead-fresh"), ("restored", None)):
+        before = snapshot()
+        outs = generate(second, args.turn_decode_tokens, salt)
+        counters = delta(snapshot(), before)
+        phases[name] = {
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "hit_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+            "acceptance_length": acceptance_length(counters),
+        }
+        phases[f"settled_after_{name}"] = settle()
+    return {
+        "prompt_tokens": args.prompt_tokens,
+        "answer_tokens": args.turn_decode_tokens,
+        "turn2_tokens": [len(p) for p in second],
+        **phases,
+    }
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def summarize(report: dict[str, Any]) -> None:
+    """One shape's figures from its configs' reps (medians over every round)."""
+    rates: dict[str, float | None] = {}
+    for config, runs in report["configs"].items():
+        values = [
+            rep["decode_tok_s"]
+            for run in runs
+            for rep in run.get("reps", [])
+            if rep.get("decode_tok_s")
+        ]
+        rates[config] = statistics.median(values) if values else None
+    none, store = rates.get("none"), rates.get("store")
+    ratio = store / none if store and none else None
+    summary: dict[str, Any] = {
+        "decode_tok_s": rates,
+        "store_vs_none": ratio,
+        "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
+    }
+    store_reps = [rep for run in report["configs"].get("store", []) for rep in run.get("reps", [])]
+    if store_reps:
+        expected = report["batch"] * whole_chunks(
+            report["prompt_tokens"], report["decode_tokens"], report["chunk_size"]
+        )
+        stored = [rep["stored_chunks"] for rep in store_reps]
+        summary["stored_chunks_per_batch"] = stored
+        summary["expected_chunks_per_batch"] = expected
+        summary["stored_fraction"] = min(stored) / expected if expected else None
+        summary["store_hit_tokens"] = sum(rep["hit_tokens"] for rep in store_reps)
+    turns = next(
+        (run["turns"] for run in report["configs"].get("store", []) if "turns" in run), None
+    )
+    if turns is not None:
+        summary["turns"] = summarize_turns(turns, report["chunk_size"])
+    report["summary"] = summary
+
+
+def summarize_turns(turns: dict[str, Any], chunk: int) -> dict[str, Any]:
+    fresh, restored = turns["fresh"], turns["restored"]
+    # Whole chunks of turn 1's prompt + answer: what the CPU tier holds of each turn 2.
+    expected = whole_chunks(turns["prompt_tokens"], turns["answer_tokens"], chunk) * chunk
+    fresh_al, restored_al = fresh["acceptance_length"], restored["acceptance_length"]
+    return {
+        "prompt_tokens": turns["prompt_tokens"],
+        "expected_hit_tokens": expected,
+        "restored_hit_tokens": restored["hit_tokens"],
+        "fresh_hit_tokens": fresh["hit_tokens"],
+        "decode_kv_reused": all(hit > turns["prompt_tokens"] for hit in restored["hit_tokens"]),
+        "outputs_match": fresh["outputs"] == restored["outputs"],
+        "acceptance_fresh": fresh_al,
+        "acceptance_restored": restored_al,
+        "acceptance_ratio": restored_al / fresh_al if fresh_al and restored_al else None,
+    }
+
+
+def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    summary = report.get("summary", {})
+    turns = summary.get("turns", {})
+    return {
+        "shape": name,
+        "decode_tok_s_none": summary.get("decode_tok_s", {}).get("none"),
+        "decode_tok_s_store": summary.get("decode_tok_s", {}).get("store"),
+        "store_vs_none": summary.get("store_vs_none"),
+        "stored_fraction": summary.get("stored_fraction"),
+        "turn2_decode_kv_reused": turns.get("decode_kv_reused"),
+        "turn2_outputs_match": turns.get("outputs_match"),
+        "turn2_acceptance_ratio": turns.get("acceptance_ratio"),
+    }
+
+
+def child_command(
+    args: argparse.Namespace, config: str, target: str, draft: str | None, child_out: Path
+) -> list[str]:
+    """The command line of one engine's child: this module with the parent's settings."""
+    cmd = [
+        sys.executable, "-m", MODULE, "--out", args.out, "--child", str(child_out),
+        "--target", target, "--config", config,
+    ]  # fmt: skip
+    for flag in CHILD_FLAGS:
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if draft:
+        cmd += ["--draft", draft]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    if args.dry_run_cpu:
+        cmd.append("--dry-run-cpu")
+    return cmd
+
+
+def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]:
+    target_shape, draft_shape = SHAPES[name]
+    max_len = args.prompt_tokens + args.decode_tokens + 2 * args.turn_decode_tokens + 128
+    max_len += args.turn_user_tokens
+    target = write_config(work / "target", target_shape, max_len)
+    draft = None if args.no_draft else write_config(work / "draft", draft_shape, max_len)
+    report: dict[str, Any] = {
+        "shape_name": name,
+        "shape": {"target": target_shape, "draft": None if draft is None else draft_shape},
+        "kv_bytes_per_token": kv_bytes_per_token(target_shape)
+        + (0 if draft is None else kv_bytes_per_token(draft_shape)),
+        **{k: getattr(args, k) for k in ("batch", "prompt_tokens", "decode_tokens", "chunk_size")},
+        "enforce_eager": args.enforce_eager,
+        "configs": {config: [] for config in args.configs},
+    }
+    engines = [config for _ in range(args.rounds) for config in args.configs]
+    for i, config in enumerate(progress(engines, f"decode-overhead {name}")):
+        child_out = work / f"{config}-{i}.json"
+        cmd = child_command(args, config, target, draft, child_out)
+        env = os.environ.copy()
+        if args.dry_run_cpu:
+            env = {**CPU_ENV, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not child_out.exists():
+            run = {"error": proc.stderr[-3000:], "stdout_tail": proc.stdout[-2000:]}
+        else:
+            run = json.loads(child_out.read_text())
+        report["configs"][config].append(run)
+        print(name, config, json.dumps(run)[:400], flush=True)
+    summarize(report)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = command_parser("decode-overhead", __doc__, EXAMPLES)
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--shape", default="small,llama8b", help="of llama8b, small (comma-separated)"
+    )
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="of none, store")
+    parser.add_argument("--rounds", type=int, default=1, help="engines per config, alternating")
+    parser.add_argument("--reps", type=int, default=3, help="timed batches per engine")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=512)
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--cpu-gib", type=float, default=24)
+    parser.add_argument("--gpu-mem", type=float, default=0.5)
+    parser.add_argument("--turn-prompts", type=int, default=4, help="0: no multi-turn check")
+    parser.add_argument(
+        "--turn-decode-tokens",
+        type=int,
+        default=384,
+        help="turn 1's answer: more than a chunk, so whole chunks of it are stored",
+    )
+    parser.add_argument("--turn-user-tokens", type=int, default=64)
+    parser.add_argument("--no-draft", action="store_true")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (decode is then CPU-bound)"
+    )
+    parser.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="vLLM on the CPU (with --shape tiny and small sizes: checks the tool runs)",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--draft", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.child:
+        Path(args.child).write_text(json.dumps(run_config(args)))
+        return
+    shapes = args.shape.split(",")
+    if any(s not in SHAPES for s in shapes) or len(set(shapes)) != len(shapes):
+        parser.error(f"--shape: give distinct names of {', '.join(sorted(SHAPES))}")
+    args.configs = args.configs.split(",")
+    if not args.configs or any(c not in CONFIGS for c in args.configs):
+        parser.error(f"--configs: of {', '.join(CONFIGS)}")
+    for flag in ("rounds", "reps", "batch", "prompt_tokens", "decode_tokens", "chunk_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: at least 1")
+    for flag in ("turn_prompts", "turn_decode_tokens", "turn_user_tokens"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')}: at least 0")
+
+    import torch
+    import vllm
+
+    work = Path(tempfile.mkdtemp(prefix="decode-overhead-"))
+    reports = {name: run_shape(args, name, work / name) for name in shapes}
+    out = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        "shapes": reports,
+        "table": [table_row(name, report) for name, report in reports.items()],
+    }
+    print(json.dumps(out["table"], indent=1), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
