@@ -179,6 +179,39 @@ def test_storage_estimate_replaces_the_prior_and_tracks_changes() -> None:
     assert storage.unit_s > 0.9
 
 
+def test_bandwidth_bound_storage_is_priced_by_the_pace_fetches_made() -> None:
+    """On an H100's disk a lone cold unit read in 35 ms, while 8 read at once took
+    190 ms each: the disk, not the thread count, bounds a fetch. A fetch's measured
+    pace (seconds per unit landed with many in flight) prices later fetches."""
+    storage = StorageEstimate(unit_bytes=40 << 20, parallel=8)
+    storage.observe_fetch(0.035)
+    assert storage.load_s(64) == pytest.approx(8 * 0.035)
+    storage.observe_pace(0.024)  # 64 units landed in 1.5 s
+    assert storage.load_s(64) == pytest.approx(64 * 0.024)
+    assert storage.load_s(1) == pytest.approx(0.035)  # one unit: its own latency
+
+
+def test_a_fetch_slower_than_its_estimate_stops_waiting() -> None:
+    """Cold restart on an H100: the estimate (one probe's 35 ms, 8 threads) said 64
+    units load in 0.28 s against 0.47 s of recompute, but 3 landed in 0.15 s. The
+    request waited on at the estimated pace and took 1.4 x recompute. The pace the
+    fetch makes must end the wait."""
+    model = _model(unit_s=0.0001)
+    model.storage.observe_fetch(0.0001)
+    recompute = model.recompute_chunks_s(0, 64)
+    assert recompute is not None
+    args = dict(first_chunk=0, num_chunks=64, landed=3, coming=61)
+    # On the estimate alone it would wait (progress is recent, the estimate is fast)...
+    wait, allowance = model.may_wait("fetch", recompute, 0.0, **args)
+    assert wait
+    # ...but 3 units in as long as the whole recompute is a pace that never pays.
+    wait, _ = model.may_wait("fetch", recompute, 0.0, fetch_s=recompute, fetched=3, **args)
+    assert not wait
+    # A fetch on pace keeps waiting.
+    wait, _ = model.may_wait("fetch", recompute, 0.0, fetch_s=0.001, fetched=3, **args)
+    assert wait
+
+
 def _model(unit_s: float) -> CostModel:
     model = CostModel(chunk_size=256, unit_bytes=1 << 20, parallel=2)
     for tokens in (1, 1, 1, 256, 512, 1024, 2048, 4096):

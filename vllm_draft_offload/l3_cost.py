@@ -68,6 +68,10 @@ class StorageEstimate:
         self.parallel = max(1, parallel)
         self.unit_s = PRIOR_LATENCY_S + unit_bytes / PRIOR_BYTES_PER_S
         self.round_trip_s = PRIOR_LATENCY_S
+        # Seconds per unit landed while many were fetched at once (0: not measured).
+        # Storage bounded by bandwidth (a disk) does not read `parallel` units in one
+        # unit's time: this is what a long fetch really costs per unit.
+        self.pace_s = 0.0
         self.samples = 0
         self.last_sample = -math.inf
         self._lock = threading.Lock()
@@ -84,8 +88,13 @@ class StorageEstimate:
         with self._lock:
             self.round_trip_s += EWMA_ALPHA * (seconds - self.round_trip_s)
 
+    def observe_pace(self, seconds_per_unit: float) -> None:
+        with self._lock:
+            alpha = 1.0 if self.pace_s == 0.0 else EWMA_ALPHA
+            self.pace_s += alpha * (seconds_per_unit - self.pace_s)
+
     def load_s(self, units: int) -> float:
-        return math.ceil(units / self.parallel) * self.unit_s
+        return max(math.ceil(units / self.parallel) * self.unit_s, units * self.pace_s)
 
     def stale(self) -> bool:
         return self.samples == 0 or time.monotonic() - self.last_sample > REPROBE_S
@@ -349,6 +358,8 @@ class CostModel:
         num_chunks: int,
         landed: int,
         coming: int,
+        fetch_s: float = 0.0,
+        fetched: int = 0,
     ) -> tuple[bool, float]:
         """May a request keep waiting on storage? (yes or no, its allowance)
 
@@ -359,7 +370,11 @@ class CostModel:
         it is measured, also while the lookup is within two round trips, or while the
         fetch keeps the measured pace (progress within two unit times) and finishing
         it at that pace beats recomputing what has not landed; both give two engine
-        steps more, as an answer reaches the scheduler only with a step."""
+        steps more, as an answer reaches the scheduler only with a step.
+
+        `fetched` units landed in the `fetch_s` seconds since this fetch began: at
+        that pace the rest must also beat recomputing it (a fetch on storage that
+        the estimate overrated stops at once, not after the estimate's time)."""
         allowance = self.wait_allowance_s(first_chunk, num_chunks, landed)
         if waited_s < allowance:
             return True, allowance
@@ -369,7 +384,10 @@ class CostModel:
         if phase == "lookup":
             return waited_s < 2 * (storage.round_trip_s + self.step_s), allowance
         recompute = self.recompute_chunks_s(first_chunk + landed, coming)
-        worth = recompute is not None and storage.load_s(coming) < recompute
+        finish_s = storage.load_s(coming)
+        if fetched:
+            finish_s = max(finish_s, coming * fetch_s / fetched)
+        worth = recompute is not None and finish_s < recompute
         return worth and stalled_s < 2 * (storage.unit_s + self.step_s), allowance
 
     def chunks_worth_loading(self, first_chunk: int, num_chunks: int, round_trip: bool) -> int:

@@ -73,6 +73,10 @@ class L3RequestState:
     # Leading chunks landed so far, and when the fetch last made progress.
     landed: int = 0
     progress: float = field(default_factory=time.monotonic)
+    # When the (non-probe) fetch began, and how many leading chunks had landed then:
+    # the pace it makes prices the rest of it, and later fetches.
+    fetch_started: float | None = None
+    fetch_base: int = 0
 
 
 class L3Prefetch:
@@ -283,8 +287,16 @@ class L3Prefetch:
             num_chunks=state.end_chunk - state.first_chunk,
             landed=landed,
             coming=state.decision.wanted - landed,
+            **self._fetch_pace(state, now),
         )
         return wait
+
+    @staticmethod
+    def _fetch_pace(state: L3RequestState, now: float) -> dict[str, float]:
+        """Seconds since the fetch began and units landed since (none before it)."""
+        if state.phase != "fetch" or state.fetch_started is None:
+            return {}
+        return {"fetch_s": now - state.fetch_started, "fetched": state.landed - state.fetch_base}
 
     def _start_fetches(
         self, req_id: str, state: L3RequestState, keys: Sequence[bytes], present: list[bool]
@@ -372,6 +384,12 @@ class L3Prefetch:
         for job_id in state.jobs:
             self.fetch_units[job_id] = (None, self.fetch_units[job_id][1])
         state.jobs.clear()
+        state.landed = max(state.landed, landed)
+        pace = self._fetch_pace(state, time.monotonic())
+        # Only a fetch that kept every read thread busy says what storage sustains
+        # (a couple of units would price a long fetch at one unit's latency each).
+        if pace.get("fetched", 0) >= self.cost.storage.parallel:
+            self.cost.storage.observe_pace(pace["fetch_s"] / pace["fetched"])
         state.phase = "done"
         decision = state.decision
         decision.outcome = outcome
@@ -401,6 +419,8 @@ class L3Prefetch:
             landed = first - state.first_chunk
             self._finish(state, "partial" if landed else "no_free_slot", landed)
             return False
+        if phase == "fetch" and state.fetch_started is None:
+            state.fetch_started, state.fetch_base = time.monotonic(), state.landed
         state.phase = phase
         return True
 

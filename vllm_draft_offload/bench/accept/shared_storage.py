@@ -45,6 +45,9 @@ def engine_kwargs(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "disable_log_stats": False,
         "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
+        # vLLM 0.33 still checks free memory against gpu_memory_utilization at start
+        # (0.92 by default), which the other engine on the GPU makes fail.
+        "gpu_memory_utilization": 0.4,
         "speculative_config": {
             "method": args.spec_method,
             "model": str(fixtures / args.draft),
