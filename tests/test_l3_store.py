@@ -23,7 +23,8 @@ import pytest
 from redis_fixture import RedisServer, free_port, redis_server_binary, wait_for_port
 
 from vllm_draft_offload.l3_backends import L3Settings, load_lmcache_config, make_key
-from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import UnitRejected, pack_unit
 from vllm_draft_offload.unit_verify import ExpectedUnit, decode_unit
 
@@ -324,7 +325,8 @@ def test_fs_truncated_file_is_corrupt_not_a_miss(tmp_path: Path) -> None:
 
 CHILD_FULL_DISK = """
     import json, os, resource, signal, sys
-    from vllm_draft_offload.l3_store import L3Error, L3Store
+    from vllm_draft_offload.l3_errors import L3Error
+    from vllm_draft_offload.l3_store import L3Store
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG
     store = L3Store.from_lmcache(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))

@@ -19,7 +19,8 @@ import pytest
 from redis_fixture import free_port, wait_for_port
 from test_l3_store import digest, realistic_unit
 
-from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_store import L3Store
 
 try:
     import mooncake

@@ -15,7 +15,8 @@ from typing import Any
 
 import blake3
 
-from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_store import L3Store
 
 KEY = "5ea7ed"
 WRITE_S = 1.5

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from redis_fixture import RedisServer, redis_server_binary
 from test_unit_codec import DEFECTS, _layers, _pack
 
-from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import LayerSpec, UnitRejected, read_header
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck

@@ -25,7 +25,8 @@ import torch
 
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import UnitLayout
-from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import L3WriteOrder
 from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import (

@@ -19,8 +19,9 @@ from typing import Final
 
 import numpy as np
 
+from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import ObjectFile
-from vllm_draft_offload.l3_store import L3Error, L3Store
+from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import (
     PREFIX_SIZE,
     UnitHeader,

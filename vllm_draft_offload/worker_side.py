@@ -13,14 +13,17 @@ event recorded on the compute stream; their source blocks stay alive because
 running requests keep their blocks, finished requests are held by vLLM until
 we report them in `finished_sending`, and a preemption makes us drain stores
 before the next forward (`handle_preemptions`).
+
+This module issues the copies; which stores are still in flight and which finished
+requests they hold is `worker_stores`, audit checksums are `worker_audit`, and the
+L3 tier's commit gating and report queues are `worker_l3`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +36,6 @@ from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
     DraftOffloadWorkerMetadata,
-    L3WriteOrder,
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
@@ -44,7 +46,9 @@ from vllm_draft_offload.transfers import (
     build_layer_regions,
     layer_descriptors,
 )
-from vllm_draft_offload.unit_codec import checksum
+from vllm_draft_offload.worker_audit import SlotChecksums, job_slots
+from vllm_draft_offload.worker_l3 import L3Link
+from vllm_draft_offload.worker_stores import InflightStore, StoreTracker
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -52,19 +56,6 @@ if TYPE_CHECKING:
     from vllm_draft_offload.l3_tier import WorkerL3
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InflightStore:
-    job: TransferJob
-    event: torch.Event | None
-    keepalive: list[torch.Tensor] = field(default_factory=list)
-    # Not executed: reported failed with this cause, so the scheduler drops its units.
-    failed_cause: str | None = None
-    # On a GPU: when the copy started on the store stream, and what it moves, recorded
-    # with its duration once it completes.
-    start: torch.cuda.Event | None = None
-    sizes: tuple[int, int, int] = (0, 0, 0)  # target bytes, draft bytes, chunks
 
 
 @dataclass
@@ -97,6 +88,7 @@ class DraftOffloadWorker:
         self.drafter_id = drafter_id
         self.rank = rank
         self.l3: WorkerL3 | None = None
+        self._l3_link: L3Link | None = None
         self.kv_cache_config = kv_cache_config
         self.draft_layer_names = draft_layer_names
         self.layout: UnitLayout | None = None
@@ -110,13 +102,7 @@ class DraftOffloadWorker:
         self._layer_events: dict[str, torch.Event] = {}
         self._last_load_event: torch.Event | None = None
         self._load_keepalive: list[torch.Tensor] = []
-        self._stores: list[InflightStore] = []
-        self._req_store_jobs: dict[str, set[int]] = defaultdict(set)
-        self._finishing_reqs: set[str] = set()
-        # Store job -> its L3 write orders, held back until the scheduler says the job
-        # committed on every rank (a store that completed here may still hold KV of a
-        # wrong prefix: another rank's load failed, or this request's earlier load).
-        self._uncommitted_writes: dict[int, list[L3WriteOrder]] = {}
+        self._stores = StoreTracker()
         self._worker_meta = DraftOffloadWorkerMetadata()
         self._load_error_blocks: set[int] = set()
         # Requests, and load jobs, with a load that failed (in part or whole) this
@@ -124,8 +110,8 @@ class DraftOffloadWorker:
         self._failed_load_reqs: set[str] = set()
         self._failed_load_jobs: set[int] = set()
         self.stats = DraftOffloadStats()
-        # Audit mode: slot -> per-layer checksums taken when its store completed.
-        self._slot_checksums: dict[int, list[str]] = {}
+        # Audit mode only: per-layer checksums of each slot taken when it was filled.
+        self.checksums: SlotChecksums | None = None
         self.comparer: RecomputeComparer | None = None
         self._timed_loads: list[InflightLoad] = []
         # Every rank moves its shard of each chunk; count chunks once.
@@ -172,10 +158,13 @@ class DraftOffloadWorker:
             self.config.audit_tolerance,
             pin=self._on_device,
         )
+        if self.config.audit:
+            self.checksums = SlotChecksums(layout, self.pool)
         if self.config.l3.enabled:
             from vllm_draft_offload.l3_tier import WorkerL3
 
             self.l3 = WorkerL3(self.config.l3, layout, self.pool, self.drafter_id, self.rank)
+            self._l3_link = L3Link(self.l3, layout, self.stats)
         logger.info(
             "DraftOffloadConnector: %d layers (%d draft) in %d group(s), unit %.2f MiB "
             "(draft %.2f MiB), CPU tier %d units, pinned=%s, copy_path=%s",
@@ -237,50 +226,11 @@ class DraftOffloadWorker:
                 logger.warning("DraftOffloadConnector: load job %d refused: %s", job.job_id, exc)
                 self._fail_load(job, "load_error")
                 continue
-            if self.config.audit and not self._audit_passes(job):
+            if self.checksums is not None and not self.checksums.passes(job):
                 self._fail_load(job, "audit_mismatch")
                 continue
             valid.append((job, copies))
         return valid
-
-    def _job_slots(self, job: TransferJob) -> set[int]:
-        assert self.layout is not None
-        first = self.layout.groups[0]
-        return {page // first.blocks_per_chunk for page in job.host_pages[0]}
-
-    def _layer_checksums(self, slot: int) -> list[str]:
-        assert self.pool is not None and self.layout is not None
-        unit = self.pool.unit_view(slot).numpy()
-        return [
-            checksum(unit[layer.offset : layer.offset + layer.nbytes])
-            for layer in self.layout.layers
-        ]
-
-    def _audit_passes(self, job: TransferJob) -> bool:
-        """Compare every layer of every slot with the checksums taken at store time."""
-        assert self.layout is not None
-        for slot in self._job_slots(job):
-            expected = self._slot_checksums.get(slot)
-            actual = self._layer_checksums(slot)
-            if expected is None:
-                logger.warning("audit: slot %d has no store-time checksums", slot)
-                return False
-            bad = [
-                layer.name
-                for layer, want, got in zip(self.layout.layers, expected, actual, strict=True)
-                if want != got
-            ]
-            if bad:
-                logger.warning(
-                    "audit: load job %d (request %s) slot %d differs from what was stored "
-                    "in layer(s) %s; recomputing",
-                    job.job_id,
-                    job.req_id,
-                    slot,
-                    ", ".join(bad),
-                )
-                return False
-        return True
 
     def _fail_load(self, job: TransferJob, cause: str) -> None:
         self.stats.record_fallback(cause)
@@ -374,38 +324,18 @@ class DraftOffloadWorker:
 
     def handle_preemptions(self, meta: DraftOffloadMetadata) -> None:
         if meta.flush_stores:
-            for store in self._stores:
-                if store.event is not None:
-                    store.event.synchronize()
+            self._stores.synchronize()
 
     def wait_for_save(self, meta: DraftOffloadMetadata) -> None:
         self._finish_loads()
         if meta.compares and self.comparer is not None:
             # Ahead of this step's stores, so the audit's sync does not wait for them too.
             self.comparer.run(meta.compares, self._worker_meta, self._store_stream)
-        if self.l3 is not None:
-            # Announce this step's writes before its cancels, which may name them.
-            for job in meta.stores:
-                if job.l3_units:
-                    self.l3.expect_writes(job.l3_units)
-            if meta.l3_cancel_writes:
-                self.l3.cancel_writes(meta.l3_cancel_writes)
-            # A verdict names only jobs every rank has retired, so this rank has either
-            # parked the job's orders or already failed them (then there is nothing).
-            for job_id in meta.l3_commit_jobs:
-                orders = self._uncommitted_writes.pop(job_id, None)
-                if orders is not None:
-                    self.l3.write_units(orders)
-            for job_id in meta.l3_abort_jobs:
-                orders = self._uncommitted_writes.pop(job_id, None)
-                if orders is not None:
-                    self.l3.fail_writes(orders)
+        if self._l3_link is not None:
+            self._l3_link.apply_verdicts(meta)
         if not meta.stores:
             return
-        for job in meta.stores:
-            self._req_store_jobs[job.req_id].add(job.job_id)
-            if job.finishing:
-                self._finishing_reqs.add(job.req_id)
+        self._stores.expect(meta.stores)
         if self._on_device:
             assert self._store_stream is not None
             self._store_stream.wait_stream(torch.cuda.current_stream())
@@ -419,15 +349,13 @@ class DraftOffloadWorker:
                     job.job_id,
                     job.req_id,
                 )
-                self._stores.append(
-                    InflightStore(job, None, failed_cause="store_after_load_failure")
-                )
+                self._stores.add(InflightStore(job, None, failed_cause="store_after_load_failure"))
                 continue
             try:
                 parts = [self._job_descriptors(r, [job], to_host=True) for r in self.regions]
             except ValueError as exc:
                 logger.warning("DraftOffloadConnector: store job %d refused: %s", job.job_id, exc)
-                self._stores.append(InflightStore(job, None, failed_cause="store_error"))
+                self._stores.add(InflightStore(job, None, failed_cause="store_error"))
                 continue
             desc = Descriptors.concat(parts)
             draft = sum(
@@ -453,39 +381,22 @@ class DraftOffloadWorker:
                 self.copier.run(desc, "store", None)
                 seconds = time.perf_counter() - started
                 self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
-            self._stores.append(store)
+            self._stores.add(store)
 
-    def _poll_stores(self) -> set[str]:
-        """Retire completed stores; return finished requests with nothing left in flight."""
-        still_running = []
-        done_reqs = set()
-        for store in self._stores:
-            if store.event is not None and not store.event.query():
-                still_running.append(store)
-                continue
-            job = store.job
-            if store.start is not None and store.event is not None:
-                seconds = store.start.elapsed_time(store.event) / 1000.0
-                self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
-            if store.failed_cause is not None:
-                self._fail_store(job, store.failed_cause)
-            else:
-                if self.config.audit:
-                    for slot in self._job_slots(job):
-                        self._slot_checksums[slot] = self._layer_checksums(slot)
-                self._worker_meta.completed_jobs[job.job_id] = 1
-                if self.l3 is not None and job.l3_units:
-                    # Written once the scheduler confirms the job (l3_commit_jobs).
-                    self._uncommitted_writes[job.job_id] = job.l3_units
-            jobs = self._req_store_jobs[job.req_id]
-            jobs.discard(job.job_id)
-            if not jobs:
-                del self._req_store_jobs[job.req_id]
-                if job.req_id in self._finishing_reqs:
-                    self._finishing_reqs.discard(job.req_id)
-                    done_reqs.add(job.req_id)
-        self._stores = still_running
-        return done_reqs
+    def _retire_store(self, store: InflightStore) -> None:
+        """A store copy completed (or was never run): time it, then report or park it."""
+        job = store.job
+        if store.start is not None and store.event is not None:
+            seconds = store.start.elapsed_time(store.event) / 1000.0
+            self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
+        if store.failed_cause is not None:
+            self._fail_store(job, store.failed_cause)
+        else:
+            if self.checksums is not None:
+                self.checksums.record_job(job)
+            self._worker_meta.completed_jobs[job.job_id] = 1
+            if self._l3_link is not None:
+                self._l3_link.park(job)
 
     def _fail_store(self, job: TransferJob, cause: str) -> None:
         """Report a store not executed: the scheduler drops its reserved units."""
@@ -511,14 +422,15 @@ class DraftOffloadWorker:
         self._timed_loads = still_running
 
     def _num_chunks(self, jobs: list[TransferJob]) -> int:
-        return sum(len(self._job_slots(job)) for job in jobs)
+        assert self.layout is not None
+        return sum(len(job_slots(self.layout, job)) for job in jobs)
 
     def get_transfer_results(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) of this worker."""
         self._poll_loads()
-        sending = self._poll_stores()
+        sending = self._stores.poll(self._retire_store)
         done_jobs, recving, failed = self._async.poll()
         for job_id in done_jobs:
             # Unpinned by the scheduler once every worker's copies are done.
@@ -526,55 +438,8 @@ class DraftOffloadWorker:
         return sending, recving, failed
 
     def _drain_l3(self) -> None:
-        l3 = self.l3
-        if l3 is None:
-            return
-        meta = self._worker_meta
-        write_counts = {
-            "released": meta.l3_writes_released,
-            "ok": meta.l3_writes_ok,
-            "failed": meta.l3_writes_failed,
-        }
-        while not l3.write_reports.empty():
-            kind, write_id = l3.write_reports.get()
-            counts = write_counts[kind]
-            counts[write_id] = counts.get(write_id, 0) + 1
-        while not l3.fetches_done.empty():
-            result = l3.fetches_done.get()
-            if result.successors is None:
-                meta.failed_jobs[result.job_id] = 1
-                meta.failure_causes[result.job_id] = result.cause or "l3_corrupt"
-                continue
-            if self.config.audit:
-                self._slot_checksums[result.slot] = list(result.layer_checksums)
-            meta.completed_jobs[result.job_id] = 1
-            meta.fetched_successors[result.job_id] = list(result.successors)
-            meta.fetch_seconds[result.job_id] = result.seconds
-            assert self.layout is not None
-            self.stats.record_transfer(
-                "load",
-                "l3",
-                self.layout.target_bytes,
-                self.layout.draft_bytes,
-                1 if self.counts_chunks else 0,
-                None,
-            )
-        while not l3.events.empty():
-            kind, detail = l3.events.get()
-            if kind == "fallback":
-                self.stats.record_fallback(detail)
-            elif kind == "lost_shutdown":
-                self.stats.record_fallback("l3_write_lost_shutdown", int(detail))
-            elif kind == "stored":
-                assert self.layout is not None
-                self.stats.record_transfer(
-                    "store",
-                    "l3",
-                    self.layout.target_bytes,
-                    self.layout.draft_bytes,
-                    1 if self.counts_chunks else 0,
-                    None,
-                )
+        if self._l3_link is not None:
+            self._l3_link.drain(self._worker_meta, self.checksums, self.counts_chunks)
 
     def build_worker_meta(self) -> DraftOffloadWorkerMetadata | None:
         self._drain_l3()
@@ -590,16 +455,11 @@ class DraftOffloadWorker:
 
     def shutdown(self) -> None:
         self._async.synchronize()
-        for store in self._stores:
-            if store.event is not None:
-                store.event.synchronize()
-        self._poll_stores()
-        if self.l3 is not None:
-            # No verdict comes for these any more: unconfirmed KV is never written.
-            parked = [order for orders in self._uncommitted_writes.values() for order in orders]
-            self._uncommitted_writes.clear()
-            self.l3.abandon_writes(parked)
-            self.l3.close()  # flushes the committed writes still queued
+        self._stores.synchronize()
+        self._stores.poll(self._retire_store)
+        if self._l3_link is not None:
+            # No verdict comes for parked writes any more: unconfirmed KV is never written.
+            self._l3_link.close()
             self._drain_l3()  # counts l3_write_lost_shutdown
         if self.comparer is not None:
             self.comparer.close()
