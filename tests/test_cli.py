@@ -33,6 +33,7 @@ SHARED = {
     "shared-storage": {FIX, OUT, EAGER},
     "pressure": {FIX, OUT, EAGER},
     "soak": {FIX, OUT, EAGER},
+    "serve-bench": {FIX, OUT, EAGER},
 }
 
 
