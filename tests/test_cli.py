@@ -34,6 +34,7 @@ SHARED = {
     "pressure": {FIX, OUT, EAGER},
     "soak": {FIX, OUT, EAGER},
     "serve-bench": {FIX, OUT, EAGER},
+    "dashboard-render": {OUT},
 }
 
 

@@ -38,6 +38,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("pressure", "stress.pressure", "working set > GPU cache: outputs, hits, acceptance"),
     Command("soak", "stress.soak", "long mixed load while storage fails: crashes, memory, TTFT"),
     Command("serve-bench", "serve.run", "vllm bench serve on vllm serve, with/without connector"),
+    Command("dashboard-render", "serve.dashboard", "the Grafana dashboard as a PNG from scrapes"),
 )
 BY_NAME: dict[str, Command] = {c.name: c for c in COMMANDS}
 
@@ -45,7 +46,7 @@ EXAMPLES = f"""shared options, spelled the same in every command that has them:
   --fixtures DIR    the fixture directory `{PROG} fixtures --out DIR` wrote
   --out PATH        where results go: a directory (fixtures, bench, shared-storage,
                     pressure, soak, serve-bench) or a file (accept, table, restore-speed,
-                    copy-speed, l3-speed)
+                    copy-speed, l3-speed, dashboard-render)
   --enforce-eager   engines without CUDA graphs: faster starts (the default of
                     pressure and soak, whose --compile turns it off)
 
