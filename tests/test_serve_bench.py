@@ -75,7 +75,8 @@ def test_server_and_bench_command_lines_parse_in_vllm(fixture_dir: Path) -> None
 
     plan = _plan(fixture_dir, "--port", "8123")
     assert plan.workload.working_set_tokens == 32 * 4096
-    assert plan.gpu_kv_tokens == 32768 and plan.block_size == 16
+    # 8 concurrent requests of 4416 tokens + 25% (2760 blocks): a third of the prefixes
+    assert plan.gpu_kv_tokens == 2760 * 16 and plan.block_size == 16
     serve = make_arg_parser(FlexibleArgumentParser())
     for run in ("none", "ours_cpu"):
         argv = plan.server_argv("python", run)
@@ -109,7 +110,7 @@ def test_server_and_bench_command_lines_parse_in_vllm(fixture_dir: Path) -> None
         ns.prefix_repetition_num_prefixes,
         ns.prefix_repetition_output_len,
     ) == (4096, 256, 32, 64)
-    assert ns.num_prompts == 256 and ns.max_concurrency == 4 and ns.request_rate == float("inf")
+    assert ns.num_prompts == 256 and ns.max_concurrency == 8 and ns.request_rate == float("inf")
     assert ns.tokenizer == str(fixture_dir / "target") and ns.temperature == 0 and ns.ignore_eos
     assert ns.save_result and ns.save_detailed and ns.result_dir == "/r/ours_cpu"
     assert ns.result_filename == "bench.json"
@@ -130,7 +131,7 @@ def test_cpu_defaults_and_no_spec(fixture_dir: Path) -> None:
     [
         (["--gpu-kv-tokens", str(32 * 4096)], "--gpu-kv-tokens=131072 holds all 32 prefixes"),
         (["--gpu-kv-tokens", "1024"], "smaller than one request"),
-        (["--gpu-kv-tokens", "32770"], "not a multiple of --block-size=16"),
+        (["--gpu-kv-tokens", "45000"], "not a multiple of --block-size=16"),
         (["--chunk-size", "40"], "--chunk-size=40 is not a multiple"),
         (["--num-prompts", "40"], "--num-prompts=40 gives a prefix fewer than 2 requests"),
         (["--draft", "small-draft"], "--draft=small-draft: no"),
@@ -162,7 +163,7 @@ def test_print_commands(fixture_dir: Path, capsys: pytest.CaptureFixture[str]) -
     assert serve_run.main(["--fixtures", str(fixture_dir), "--out", out, "--print-commands"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["runs"]) == {"none", "ours_cpu"}
-    assert printed["plan"]["num_gpu_blocks"] == 2048
+    assert printed["plan"]["num_gpu_blocks"] == 2760
     assert "--kv-transfer-config" in printed["runs"]["ours_cpu"]["server"]
     assert "--kv-transfer-config" not in printed["runs"]["none"]["server"]
     bench = printed["runs"]["none"]["bench"]

@@ -47,11 +47,11 @@ class Workload:
         return self.prefix_len + self.suffix_len + self.output_len
 
 
-# Defaults: a GPU run that fits about 4 minutes with both servers (--enforce-eager), and
-# the --dry-run-cpu one (about 3 minutes on 2 cores).
+# Defaults: a GPU run of both servers in about 3 minutes (--enforce-eager; an estimate
+# until timed on a GPU), and the --dry-run-cpu one (about 2.5 minutes on 2 cores).
 GPU_WORKLOAD = Workload(
     prefix_len=4096, suffix_len=256, num_prefixes=32, output_len=64, num_prompts=256,
-    max_concurrency=4,
+    max_concurrency=8,
 )  # fmt: skip
 CPU_WORKLOAD = Workload(
     prefix_len=256, suffix_len=32, num_prefixes=4, output_len=8, num_prompts=12,

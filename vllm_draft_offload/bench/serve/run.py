@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-spec", type=int, default=3, help="speculative tokens (default 3)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
     ap.add_argument("--dry-run-cpu", action="store_true", help="vLLM on the CPU, small sizes")
-    w = ap.add_argument_group("workload (defaults: a ~4 min GPU run; smaller with --dry-run-cpu)")
+    w = ap.add_argument_group("workload (defaults: a ~3 min GPU run; smaller with --dry-run-cpu)")
     w.add_argument("--prefix-len", type=int, help=f"default {GPU_WORKLOAD.prefix_len}")
     w.add_argument("--suffix-len", type=int, help=f"default {GPU_WORKLOAD.suffix_len}")
     w.add_argument("--num-prefixes", type=int, help=f"default {GPU_WORKLOAD.num_prefixes}")
