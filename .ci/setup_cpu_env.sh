@@ -31,4 +31,4 @@ fi
 # the project itself (and its `vllm-draft-offload` command), with its test extras; its
 # runtime deps are already satisfied above
 $PIP install -q --no-deps -e .
-$PIP install -q pydantic pytest ruff matplotlib redis prometheus_client hypothesis tqdm xxhash
+$PIP install -q pydantic pytest ruff matplotlib redis prometheus_client hypothesis tqdm xxhash promql-parser

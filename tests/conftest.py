@@ -40,3 +40,47 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         yield server.url
     finally:
         server.close()
+
+
+@pytest.fixture
+def vllm_prometheus(model_dirs: tuple[Path, Path]) -> Iterator[object]:
+    """vLLM's PrometheusStatLogger as `vllm serve` builds it for an engine with a drafter
+    and DraftOffloadConnector, its metrics in prometheus_client's default REGISTRY (what
+    /metrics serves); unregistered afterwards."""
+    import prometheus_client.values as prometheus_values
+    from vllm.config import (
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    if prometheus_values.ValueClass is not prometheus_values.MutexValue:
+        pytest.skip("prometheus multiprocess mode: families are not in the default REGISTRY")
+    load_general_plugins()
+    target, draft = model_dirs
+    model_config = ModelConfig(model=str(target), skip_tokenizer_init=True, max_model_len=2048)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        speculative_config=SpeculativeConfig(
+            method="draft_model",
+            model=str(draft),
+            num_speculative_tokens=2,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="DraftOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
+        ),
+    )
+    unregister_vllm_metrics()
+    try:
+        yield PrometheusStatLogger(vllm_config, engine_indexes=[0])
+    finally:
+        unregister_vllm_metrics()

@@ -34,6 +34,8 @@ SHARED = {
     "shared-storage": {FIX, OUT, EAGER},
     "pressure": {FIX, OUT, EAGER},
     "soak": {FIX, OUT, EAGER},
+    "serve-bench": {FIX, OUT, EAGER},
+    "dashboard-render": {OUT},
 }
 
 
@@ -120,3 +122,17 @@ def test_subprocess_modules_exist() -> None:
     assert decode_overhead.__name__ == decode_overhead.MODULE
     assert probe_connector.__name__ == probe_connector.MODULE_NAME
     assert importlib.import_module(check.ENGINE_MODULE).main is not None
+
+
+def test_eager_is_the_default_of_eager_or_compile() -> None:
+    """`--enforce-eager` is the default of the commands that take `--compile` (their help
+    says so), and each flag sets what it names."""
+    import argparse
+
+    from vllm_draft_offload.bench.options import add_eager_or_compile
+
+    parser = argparse.ArgumentParser()
+    add_eager_or_compile(parser)
+    assert parser.parse_args([]).compile is False
+    assert parser.parse_args(["--enforce-eager"]).compile is False
+    assert parser.parse_args(["--compile"]).compile is True

@@ -12,19 +12,8 @@ import json
 import re
 from pathlib import Path
 
-import prometheus_client.values as prometheus_values
 import pytest
 from prometheus_client import REGISTRY
-from vllm.config import (
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SpeculativeConfig,
-    VllmConfig,
-)
-from vllm.plugins import load_general_plugins
-from vllm.v1.metrics.loggers import PrometheusStatLogger
-from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
 from vllm_draft_offload.metrics_prom import ALL_METRICS
 
@@ -48,33 +37,9 @@ def _family(series: str) -> str:
 
 
 @pytest.fixture
-def registered_families(model_dirs: tuple[Path, Path]) -> set[str]:
-    if prometheus_values.ValueClass is not prometheus_values.MutexValue:
-        pytest.skip("prometheus multiprocess mode: families are not in the default REGISTRY")
-    load_general_plugins()
-    target, draft = model_dirs
-    model_config = ModelConfig(model=str(target), skip_tokenizer_init=True, max_model_len=2048)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        speculative_config=SpeculativeConfig(
-            method="draft_model",
-            model=str(draft),
-            num_speculative_tokens=2,
-            target_model_config=model_config,
-            target_parallel_config=ParallelConfig(),
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="DraftOffloadConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
-        ),
-    )
-    unregister_vllm_metrics()
-    try:
-        PrometheusStatLogger(vllm_config, engine_indexes=[0])
-        yield {family.name for family in REGISTRY.collect()}
-    finally:
-        unregister_vllm_metrics()
+def registered_families(vllm_prometheus: object) -> set[str]:
+    """The families of the PrometheusStatLogger `vllm_prometheus` built (conftest.py)."""
+    return {family.name for family in REGISTRY.collect()}
 
 
 def test_dashboard_queries_only_registered_metrics(registered_families: set[str]) -> None:

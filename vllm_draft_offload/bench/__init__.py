@@ -8,7 +8,9 @@ own code as ``vllm_draft_offload.bench.<area>.<module>``:
   docs' baseline tables, two engines sharing one storage directory;
 * ``workloads``: the workload benchmark (ours vs vLLM's and LMCache's connectors);
 * ``speed``: restore TTFT and storage-tier speed at real KV sizes, raw disk baselines;
-* ``stress``: the pressure run and the soak with storage faults.
+* ``stress``: the pressure run and the soak with storage faults;
+* ``serve``: ``vllm bench serve`` against ``vllm serve`` with and without the
+  connector, its ``/metrics`` scrapes, and the Grafana dashboard rendered from them.
 
 The connector (everything in ``vllm_draft_offload`` outside this package) never
 imports it, and importing a subpackage loads neither torch nor vLLM: modules that

@@ -42,14 +42,17 @@ COMMANDS: tuple[Command, ...] = (
     Command("shared-storage", "accept.shared_storage", "two engines, one fs:// dir: B hits A"),
     Command("pressure", "stress.pressure", "working set > GPU cache: outputs, hits, acceptance"),
     Command("soak", "stress.soak", "long mixed load while storage fails: crashes, memory, TTFT"),
+    Command("serve-bench", "serve.run", "vllm bench serve on vllm serve, with/without connector"),
+    Command("dashboard-render", "serve.dashboard", "the Grafana dashboard as a PNG from scrapes"),
 )
 BY_NAME: dict[str, Command] = {c.name: c for c in COMMANDS}
 
 EXAMPLES = f"""shared options, spelled the same in every command that has them:
   --fixtures DIR    the fixture directory `{PROG} fixtures --out DIR` wrote
   --out PATH        where results go: a directory (fixtures, bench, shared-storage,
-                    pressure, soak) or a file (accept, table, restore-speed,
-                    copy-speed, decode-overhead, l3-speed)
+                    pressure, soak, serve-bench) or a file (accept, table,
+                    restore-speed, copy-speed, decode-overhead, l3-speed,
+                    dashboard-render)
   --enforce-eager   engines without CUDA graphs: faster starts (the default of
                     pressure and soak, whose --compile turns it off)
 

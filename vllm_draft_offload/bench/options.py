@@ -30,3 +30,6 @@ def add_eager_or_compile(parser: argparse.ArgumentParser) -> None:
         help="engines without CUDA graphs (the default here: faster starts)",
     )
     group.add_argument("--compile", action="store_true", help="compiled engines (slower start)")
+    # Both flags share ``dest``; argparse would take the first one's default (True, of
+    # ``store_false``), i.e. compile unless told otherwise.
+    parser.set_defaults(compile=False)
