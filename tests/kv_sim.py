@@ -18,6 +18,10 @@ draft, gathered from the request's own blocks. Wrong KV anywhere in the context
 therefore changes the outputs, so an output-equality assert checks what was
 restored and everything computed on top of it. (A real drafter's KV only moves
 acceptance; the simulator is stricter on purpose.)
+
+`SimSetup.sliding_window` makes the model hybrid (Gemma-3-like): vLLM's own
+SlidingWindowManager then frees blocks that leave the window to its null block,
+and a sliding-window layer's read covers only the window.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.plugins import load_general_plugins
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     get_request_block_hasher,
@@ -55,7 +59,13 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -156,6 +166,12 @@ class SimSetup:
     # Seconds the simulated forward takes per scheduled token, as a device would:
     # the L3 cost policy weighs storage reads against this recompute time.
     compute_s_per_token: float = 0.0
+    # A hybrid (Gemma-3-like) model: target layer 0 attends over a sliding window
+    # of this many tokens, layer 1 over everything; a draft_model drafter mirrors
+    # the target (a self-draft), an EAGLE head is one full-attention layer. vLLM
+    # groups the layers (one group per attention type, draft and target mixed) and
+    # frees sliding-window blocks that leave the window. `draft_layout` is ignored.
+    sliding_window: int | None = None
 
 
 def _draft_spec(setup: SimSetup) -> FullAttentionSpec:
@@ -169,8 +185,48 @@ def _draft_spec(setup: SimSetup) -> FullAttentionSpec:
     return dataclasses.replace(spec, is_draft=True)
 
 
+SLIDING_TARGET = TARGET_LAYERS[0]  # the sliding-window target layer of a hybrid setup
+HYBRID_DRAFT_LAYERS = [f"draft_model.model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def hybrid_specs(vllm_config: VllmConfig, setup: SimSetup) -> dict[str, KVCacheSpec]:
+    """Per-layer specs of the hybrid setup, as vLLM's model runner reports them
+    (with vLLM's extra_retained_tokens for multi-module MTP, see kv_cache_planning)."""
+    assert setup.sliding_window is not None
+    shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 32, "dtype": torch.float32}
+    extra = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
+    window = SlidingWindowSpec(
+        **shape, sliding_window=setup.sliding_window, extra_retained_tokens=extra
+    )
+    full = FullAttentionSpec(**shape)
+    specs: dict[str, KVCacheSpec] = {TARGET_LAYERS[0]: window, TARGET_LAYERS[1]: full}
+    if setup.eagle:
+        specs[f"model.layers.{len(TARGET_LAYERS)}.self_attn.attn"] = dataclasses.replace(
+            full, is_draft=True
+        )
+    else:
+        for name, spec in zip(HYBRID_DRAFT_LAYERS, (window, full), strict=True):
+            specs[name] = dataclasses.replace(spec, is_draft=True)
+    return specs
+
+
 def build_kv_cache_config(vllm_config: VllmConfig, setup: SimSetup) -> KVCacheConfig:
     target = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    if setup.sliding_window is not None:
+        specs = hybrid_specs(vllm_config, setup)
+        groups = get_kv_cache_groups(vllm_config, specs)
+        if vllm_config.speculative_config.use_eagle_block_drop():
+            for group in groups:  # as vLLM's get_kv_cache_configs marks them
+                group.is_eagle_group = any(specs[name].is_draft for name in group.layer_names)
+        page_bytes = sum(
+            specs[name].page_size_bytes for group in groups for name in group.layer_names
+        )
+        config = get_kv_cache_config_from_groups(
+            vllm_config, groups, page_bytes * (setup.num_gpu_blocks + 1)
+        )
+        config.num_blocks = setup.num_gpu_blocks
+        config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+        return config
     draft_name = (
         "draft_model.model.layers.0.self_attn.attn"
         if not setup.eagle
@@ -340,6 +396,12 @@ class SimEngine:
         }
         self.block_size_of = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
         self.draft_names = {name for name in self.kv_caches if name not in TARGET_LAYERS}
+        # Sliding-window layers: attention reads only the last `window` positions.
+        self.windows: dict[str, int] = {}
+        if setup.sliding_window is not None:
+            self.windows[SLIDING_TARGET] = setup.sliding_window
+            if not setup.eagle:
+                self.windows[HYBRID_DRAFT_LAYERS[0]] = setup.sliding_window
         # Tokens after p that the simulated drafter builds p's draft KV from: the
         # simulator's own truth, which the connector's derived successor_tokens must match.
         self.draft_successors = (
@@ -348,6 +410,7 @@ class SimEngine:
 
     @staticmethod
     def _unit_bytes(kv_cache_config: KVCacheConfig) -> int:
+        """An upper bound of a unit (every page of every group): the CPU budget."""
         from vllm_draft_offload.geometry import build_unit_layout
 
         return build_unit_layout(kv_cache_config, 32).unit_bytes
@@ -393,22 +456,46 @@ class SimEngine:
             for caches in self.rank_kv_caches:
                 caches[name][block, :, position % block_size, :] = value
 
-    def read_kv_digest(self, req_id: str, num_target: int, num_draft: int) -> bytes:
+    def read_kv_digest(
+        self, req_id: str, num_target: int, num_draft: int, first_computed: int = 0
+    ) -> bytes:
         """What attention reads: the first `num_target` positions of every target
         layer and `num_draft` of every draft layer, as stored in the request's
-        blocks, folded into one digest (every byte counts)."""
+        blocks, folded into one digest (every byte counts).
+
+        A sliding-window layer reads what this step's positions (from
+        `first_computed` on) attend to: their windows. Which positions those are
+        depends on how the prompt was split into steps, so, for the output to
+        depend on the KV and not on the split, such a layer adds only the positions
+        that differ from a fresh prefill's KV (a real model's hidden states, and so
+        its later layers and output, change exactly when one of them is wrong).
+        """
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        tokens = list(self.scheduler.requests[req_id].all_token_ids)
         digest = hashlib.blake2b(digest_size=16)
         for name, tensor in self.kv_caches.items():
             count = num_draft if name in self.draft_names else num_target
             if count <= 0:
                 continue
+            window = self.windows.get(name)
+            first = 0 if window is None else max(0, min(first_computed, count - 1) - window + 1)
             group = self.group_of[name]
             block_size = self.block_size_of[group]
-            blocks = torch.tensor(block_ids[group][: -(-count // block_size)], dtype=torch.long)
-            pages = tensor[blocks]  # [blocks, heads, block_size, head_size]: a gathered copy
-            rows = pages.transpose(1, 2).reshape(-1, pages.shape[1] * pages.shape[3])[:count]
-            digest.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+            table = block_ids[group][first // block_size : -(-count // block_size)]
+            assert 0 not in table, f"{name}: attention would read vLLM's null block"
+            pages = tensor[torch.tensor(table, dtype=torch.long)]  # a gathered copy
+            rows = pages.transpose(1, 2).reshape(-1, pages.shape[1] * pages.shape[3])
+            rows = rows[first % block_size : first % block_size + count - first]
+            if window is None:
+                digest.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+                continue
+            for position, row in enumerate(rows, start=first):
+                expected = self.expected_position(name, tokens, position)
+                if not torch.equal(
+                    row.view(tensor.shape[1], -1), expected.expand(tensor.shape[1], -1)
+                ):
+                    digest.update(repr((name, position)).encode())
+                    digest.update(row.contiguous().view(torch.uint8).numpy().tobytes())
         return digest.digest()
 
     def expected_position(self, name: str, tokens: list[int], position: int) -> torch.Tensor:
@@ -465,7 +552,7 @@ class SimEngine:
                 layers = draft_layers if position < num_draft else []
                 self._write_position(request, position, tokens, target_layers + layers)
             if end >= len(tokens):
-                digest = self.read_kv_digest(req_id, end, num_draft)
+                digest = self.read_kv_digest(req_id, end, num_draft, start)
                 sampled[req_id] = next_token(tokens, digest)
                 position = len(tokens) - later  # its last successor is the sampled token
                 if later and 0 <= position < end:
@@ -527,6 +614,8 @@ class SimEngine:
                 computed = min(computed, len(tokens) - self.draft_successors)
             for position in range(computed):
                 block = block_ids[group][position // block_size]
+                if block == 0:
+                    continue  # out of a sliding window: vLLM freed it (its null block)
                 actual = tensor[block, :, position % block_size, :]
                 expected = self.expected_position(name, tokens, position)
                 if not torch.equal(actual, expected.expand_as(actual)):
@@ -573,3 +662,11 @@ class SimEngine:
         for caches in self.rank_kv_caches:
             for tensor in caches.values():
                 tensor.fill_(-999.0)
+
+    def null_block_bytes(self, rank: int = 0) -> dict[str, bytes]:
+        """Every layer's copy of vLLM's null block (block 0): vLLM's stand-in for
+        freed sliding-window positions, shared by every request; nothing may write it."""
+        return {
+            name: tensor[0].contiguous().view(torch.uint8).numpy().tobytes()
+            for name, tensor in self.rank_kv_caches[rank].items()
+        }

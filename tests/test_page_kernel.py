@@ -140,7 +140,7 @@ class Rig:
         """Per layer: its pages of ``slots`` paired with the group's ``blocks``."""
         parts = []
         for region in self.regions:
-            per_chunk = region.blocks_per_chunk
+            per_chunk = region.pages_per_unit
             host = [s * per_chunk + p for s in slots for p in range(per_chunk)]
             parts.append(
                 layer_descriptors(region, self.pool, host, blocks[region.group_index], to_host)
@@ -150,10 +150,10 @@ class Rig:
 
 def _non_contiguous_blocks(rng: np.random.Generator, count: int, num_blocks: int) -> list[int]:
     """Distinct block ids: an ascending run of three (which merges), then the others
-    in random order (jumps and descents, which do not)."""
-    start = int(rng.integers(0, num_blocks - 2))
+    in random order (jumps and descents, which do not). Never block 0, vLLM's null block."""
+    start = int(rng.integers(1, num_blocks - 2))
     run = [start, start + 1, start + 2]
-    rest = [int(b) for b in rng.permutation(num_blocks) if b not in run]
+    rest = [int(b) for b in rng.permutation(num_blocks) if b not in run and b]
     return (run + rest)[:count]
 
 
@@ -183,7 +183,7 @@ def test_round_trip_is_bit_exact(
     num_blocks = 24 if pages[0] < (1 << 20) else 12
     rig = Rig.build(pages, num_blocks, num_slots=5)
     slots = [3, 0, 4] if pages[0] < (1 << 20) else [3]
-    per_chunk = {r.group_index: r.blocks_per_chunk for r in rig.regions}
+    per_chunk = {r.group_index: r.pages_per_unit for r in rig.regions}
     src_blocks = [
         _non_contiguous_blocks(rng, len(slots) * per_chunk[g], num_blocks)
         for g in sorted(per_chunk)

@@ -221,8 +221,9 @@ class RecomputeAudit:
                 continue
             host_pages: list[list[int]] = [[] for _ in self.layout.groups]
             gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
-            self.layout.add_chunk_pages(
-                host_pages, gpu_blocks, entry.slot, chunk, block_ids, 0, (chunk + 1) * chunk_size
+            # Sliding-window pages vLLM has already freed are compared no more.
+            self.layout.add_unit_pages(
+                host_pages, gpu_blocks, entry.slot, chunk, block_ids, skip_freed=True
             )
             # One job per unit, so a result names the unit it condemns.
             job = TransferJob(
@@ -360,7 +361,7 @@ class RecomputeComparer:
         groups = self.layout.groups
         slots = sorted(
             {
-                page // group.blocks_per_chunk
+                page // group.pages_per_unit
                 for group, pages in zip(groups, job.host_pages, strict=True)
                 for page in pages
             }
@@ -376,9 +377,9 @@ class RecomputeComparer:
                 groups, job.host_pages, job.gpu_blocks, strict=True
             ):
                 pairs = [
-                    (page % group.blocks_per_chunk, block)
+                    (page % group.pages_per_unit, block)
                     for page, block in zip(host_pages, gpu_blocks, strict=True)
-                    if page // group.blocks_per_chunk == slot
+                    if page // group.pages_per_unit == slot
                 ]
                 pages.append([page for page, _ in pairs])
                 blocks.append([block for _, block in pairs])

@@ -24,9 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.geometry import (
     build_unit_layout,
-    default_min_compute_tokens,
     drafter_identity,
-    successor_tokens_needed,
+    hit_rules,
     target_identity,
 )
 from vllm_draft_offload.metadata import DraftOffloadMetadata, DraftOffloadWorkerMetadata
@@ -87,14 +86,15 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # groups a failed load must be reported per request (failed_recving), which
         # vLLM honours only for asynchronous loads: hits load one step ahead.
         async_loads = len(kv_cache_config.kv_cache_groups) > 1
+        # Where hits end decides what a sliding-window group's unit holds: both halves
+        # derive it, so their layouts agree.
+        rules = hit_rules(vllm_config, self.config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            layout = build_unit_layout(kv_cache_config, self.config.chunk_size)
-            self.config.check_budget(layout.unit_bytes)
-            num_successors = (
-                self.config.successor_tokens
-                if self.config.successor_tokens is not None
-                else successor_tokens_needed(vllm_config, layout)
+            layout = build_unit_layout(
+                kv_cache_config, self.config.chunk_size, hit_slack=rules.hit_slack
             )
+            self.config.check_budget(layout.unit_bytes)
+            num_successors = rules.num_successors
             identity = {
                 "target": target_identity(vllm_config),
                 "drafter": drafter_identity(vllm_config),
@@ -108,8 +108,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 identity,
                 num_successors,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
-                min_compute_tokens=self.config.min_compute_tokens
-                or default_min_compute_tokens(vllm_config),
+                min_compute_tokens=rules.min_compute_tokens,
                 decode_query_len=1
                 + (
                     vllm_config.speculative_config.num_speculative_tokens
@@ -141,6 +140,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 # The audit reads fp8 caches, which vLLM allocates as bytes, as fp8.
                 kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
                 async_loads=async_loads,
+                hit_slack=rules.hit_slack,
             )
 
     @property

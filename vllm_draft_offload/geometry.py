@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_draft_offload.config import ConfigError
-from vllm_draft_offload.hit_logic import pages_for_chunk
+from vllm_draft_offload.config import ConfigError, DraftOffloadConfig
+from vllm_draft_offload.windows import NULL_BLOCK, first_unit_page, group_reach, restore_pages
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -34,13 +34,13 @@ DRAFT_MODEL_PREFIX = "draft_model."
 
 @dataclass(frozen=True)
 class LayerSlot:
-    """One layer's region inside a unit: `blocks_per_chunk` pages back to back."""
+    """One layer's region inside a unit: its group's `pages_per_unit` pages back to back."""
 
     name: str
     group_id: int
     page_bytes: int
     offset: int  # byte offset inside the unit
-    nbytes: int  # blocks_per_chunk * page_bytes
+    nbytes: int  # pages_per_unit * page_bytes
     is_draft: bool
 
 
@@ -51,6 +51,19 @@ class GroupLayout:
     blocks_per_chunk: int
     is_eagle_group: bool
     layer_names: tuple[str, ...]
+    # Sliding window: tokens before a hit's end whose KV a restore needs (windows.py);
+    # None for full attention.
+    reach: int | None = None
+    # The first page of its chunk a unit holds (0 for full attention).
+    first_page: int = 0
+
+    @property
+    def pages_per_unit(self) -> int:
+        return self.blocks_per_chunk - self.first_page
+
+    def host_page(self, slot: int, page: int) -> int:
+        """Index of a chunk page in the host pool: slot * pages_per_unit + page in unit."""
+        return slot * self.pages_per_unit + page - self.first_page
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,37 @@ class UnitLayout:
     def has_eagle_group(self) -> bool:
         return any(group.is_eagle_group for group in self.groups)
 
-    def add_chunk_pages(
+    def add_unit_pages(
+        self,
+        host_pages: list[list[int]],
+        gpu_blocks: list[list[int]],
+        slot: int,
+        chunk: int,
+        block_ids: tuple[list[int], ...],
+        skip_freed: bool = False,
+    ) -> bool:
+        """Pair every page a chunk's unit holds with its GPU block, per group (stores,
+        compares). A page whose block vLLM has freed (its null block) cannot be copied:
+        the call adds nothing and returns False, or with `skip_freed` leaves that page out."""
+        pairs: list[list[tuple[int, int]]] = []
+        for group in self.groups:
+            blocks = block_ids[group.group_id]
+            row = []
+            for page in range(group.first_page, group.blocks_per_chunk):
+                index = chunk * group.blocks_per_chunk + page
+                block = blocks[index] if index < len(blocks) else NULL_BLOCK
+                if block == NULL_BLOCK:
+                    if not skip_freed:
+                        return False
+                    continue
+                row.append((group.host_page(slot, page), block))
+            pairs.append(row)
+        for g, row in enumerate(pairs):
+            host_pages[g] += [page for page, _ in row]
+            gpu_blocks[g] += [block for _, block in row]
+        return True
+
+    def add_restore_pages(
         self,
         host_pages: list[list[int]],
         gpu_blocks: list[list[int]],
@@ -85,22 +128,43 @@ class UnitLayout:
         first_token: int,
         end_token: int,
     ) -> None:
-        """Pair a chunk's host pages with its GPU blocks, per group, for [first, end)."""
+        """Pair a chunk's host pages with the GPU blocks a restore of [first, end) writes:
+        for a sliding-window group, only the blocks vLLM allocated (windows.py)."""
         for g, group in enumerate(self.groups):
-            for page in pages_for_chunk(
-                chunk, self.chunk_size, group.block_size, first_token, end_token
+            for page in restore_pages(
+                chunk, self.chunk_size, group.block_size, group.reach, first_token, end_token
             ):
-                host_pages[g].append(slot * group.blocks_per_chunk + page)
+                host_pages[g].append(group.host_page(slot, page))
                 gpu_blocks[g].append(
                     block_ids[group.group_id][chunk * group.blocks_per_chunk + page]
                 )
+
+    def restorable(self, first_token: int, end_token: int) -> bool:
+        """Whether units hold every page a restore of [first, end) writes, in every group."""
+        if end_token <= first_token:
+            return True
+        chunks = range(first_token // self.chunk_size, -(-end_token // self.chunk_size))
+        return all(
+            not pages or pages.start >= group.first_page
+            for group in self.groups
+            if group.first_page
+            for chunk in chunks
+            for pages in (
+                restore_pages(
+                    chunk, self.chunk_size, group.block_size, group.reach, first_token, end_token
+                ),
+            )
+        )
 
     def fingerprint(self) -> str:
         """Identity of the byte layout: two engines share units only if equal."""
         desc = {
             "chunk_size": self.chunk_size,
             "layout": self.kv_cache_layout,
-            "groups": [[g.block_size, g.blocks_per_chunk, g.is_eagle_group] for g in self.groups],
+            "groups": [
+                [g.block_size, g.blocks_per_chunk, g.is_eagle_group, g.reach, g.first_page]
+                for g in self.groups
+            ],
             "layers": [
                 [layer.name, layer.group_id, layer.page_bytes, layer.is_draft]
                 for layer in self.layers
@@ -137,13 +201,16 @@ def build_unit_layout(
     kv_cache_config: KVCacheConfig,
     chunk_size: int,
     draft_layer_names: frozenset[str] = frozenset(),
+    hit_slack: int = 0,
 ) -> UnitLayout:
     """Lay out one chunk of every offloaded layer, target and draft.
 
     `draft_layer_names` comes from the worker's forward context where known;
     the `draft_model.` prefix marks standalone drafters on either side.
+    `hit_slack`: how many tokens before a chunk's end a hit into it may end
+    (hit_end_slack); a sliding-window group's unit holds what such a restore needs.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     page_by_layer: dict[str, int] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
@@ -158,11 +225,7 @@ def build_unit_layout(
         group = kv_cache_config.kv_cache_groups[group_id]
         spec = group.kv_cache_spec
         specs = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
-        if not isinstance(spec, AttentionSpec | UniformTypeKVCacheSpecs):
-            raise ConfigError(
-                f"DraftOffloadConnector supports attention KV only; group {group_id} "
-                f"has {type(spec).__name__}"
-            )
+        reach = group_reach(group_id, group)  # refuses what we cannot restore
         block_size = spec.block_size
         if chunk_size % block_size:
             raise ConfigError(
@@ -170,6 +233,7 @@ def build_unit_layout(
                 f"KV-cache group {group_id}'s block size {block_size}"
             )
         blocks_per_chunk = chunk_size // block_size
+        first_page = first_unit_page(chunk_size, block_size, reach, hit_slack)
         for name in group.layer_names:
             if name not in page_by_layer:
                 raise ConfigError(f"KV layer {name!r} has no KV-cache tensor placement")
@@ -177,7 +241,7 @@ def build_unit_layout(
             layer_spec = specs.get(name)
             if layer_spec is not None and layer_spec.page_size_bytes > page:
                 raise ConfigError(f"KV layer {name!r}: page larger than its placement")
-            nbytes = blocks_per_chunk * page
+            nbytes = (blocks_per_chunk - first_page) * page
             is_draft = is_draft_layer_name(name, draft_layer_names) or bool(
                 layer_spec is not None and layer_spec.is_draft
             )
@@ -190,6 +254,8 @@ def build_unit_layout(
                 blocks_per_chunk,
                 group.is_eagle_group,
                 tuple(group.layer_names),
+                reach,
+                first_page,
             )
         )
     if not layers:
@@ -203,7 +269,7 @@ def build_unit_layout(
     )
 
 
-def successor_tokens_needed(vllm_config: VllmConfig, layout: UnitLayout) -> int:
+def successor_tokens_needed(vllm_config: VllmConfig, has_eagle_group: bool) -> int:
     """How many tokens after a chunk its stored draft KV depends on.
 
     EAGLE/EAGLE3/MTP build draft KV at position i from token i+1; multi-module
@@ -213,7 +279,7 @@ def successor_tokens_needed(vllm_config: VllmConfig, layout: UnitLayout) -> int:
     block drop is disabled, and a stale draft position would go unnoticed.
     """
     spec = vllm_config.speculative_config
-    needs = layout.has_eagle_group
+    needs = has_eagle_group
     if spec is not None and spec.needs_eagle_block_drop():
         needs = True
     if not needs:
@@ -232,6 +298,36 @@ def default_min_compute_tokens(vllm_config: VllmConfig) -> int:
     one computed token, 1.00 with two. Without a drafter one token is enough.
     """
     return 2 if vllm_config.speculative_config is not None else 1
+
+
+@dataclass(frozen=True)
+class HitRules:
+    """Where hits may end; both connector halves derive it, so their layouts agree."""
+
+    num_successors: int  # tokens after a chunk its draft KV depends on
+    min_compute_tokens: int  # tokens a restored request computes itself
+
+    @property
+    def hit_slack(self) -> int:
+        """How many tokens before a chunk's end a hit into it may end: the successor
+        rule ends it up to `num_successors` early, the prompt's end up to
+        `min_compute_tokens` (hit_logic.match_prefix)."""
+        return max(self.num_successors, self.min_compute_tokens, 1)
+
+
+def hit_rules(
+    vllm_config: VllmConfig, config: DraftOffloadConfig, kv_cache_config: KVCacheConfig
+) -> HitRules:
+    has_eagle_group = any(
+        kv_cache_config.kv_cache_groups[group_id].is_eagle_group
+        for group_id in transferable_group_ids(kv_cache_config)
+    )
+    return HitRules(
+        config.successor_tokens
+        if config.successor_tokens is not None
+        else successor_tokens_needed(vllm_config, has_eagle_group),
+        config.min_compute_tokens or default_min_compute_tokens(vllm_config),
+    )
 
 
 # Files whose content decides the KV a model computes.

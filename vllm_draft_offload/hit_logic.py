@@ -68,11 +68,15 @@ def match_prefix(
     num_successors: int,
     lookup: Lookup,
     min_compute_tokens: int = 1,
+    can_end: Callable[[int, int], bool] | None = None,
 ) -> PrefixMatch:
     """Longest reusable prefix starting at `num_computed_tokens`.
 
     vLLM must compute at least one token of the request, so the prefix ends at
-    len(token_ids) - min_compute_tokens (>= 1) at the latest.
+    len(token_ids) - min_compute_tokens (>= 1) at the latest. `can_end(start, end)`
+    says whether the units hold every page a restore of [start, end) needs (a
+    sliding window reaches back from the end): if not, the hit ends at an
+    earlier chunk boundary where they do, never with holes.
     """
     num_tokens = len(token_ids)
     limit = num_tokens - max(1, min_compute_tokens)
@@ -103,6 +107,14 @@ def match_prefix(
         match.end_token = limit
         # Drop units that no longer contribute a token.
         match.chunks = [(index, unit) for index, unit in match.chunks if index * chunk_size < limit]
+    while (
+        can_end is not None
+        and match.chunks
+        and match.end_token > num_computed_tokens
+        and not can_end(num_computed_tokens, match.end_token)
+    ):
+        index, _ = match.chunks.pop()
+        match.end_token = max(num_computed_tokens, index * chunk_size)
     if match.end_token <= num_computed_tokens:
         return PrefixMatch(num_computed_tokens, num_computed_tokens, [])
     return match

@@ -32,9 +32,10 @@ class L3WriteOrder:
 class TransferJob:
     """Copies between host slots and GPU blocks for one request.
 
-    For each layout group g, `host_pages[g][i]` (slot * blocks_per_chunk +
-    page) pairs with `gpu_blocks[g][i]`. Every layer of the group moves with
-    the same pairs, so target and draft layers always travel together.
+    For each layout group g, `host_pages[g][i]` (GroupLayout.host_page: slot *
+    pages_per_unit + page in the unit) pairs with `gpu_blocks[g][i]`. Every layer
+    of the group moves with the same pairs, so target and draft layers always
+    travel together.
     """
 
     job_id: int

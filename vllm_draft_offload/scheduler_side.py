@@ -24,6 +24,7 @@ from vllm_draft_offload.hit_logic import (
     match_prefix,
 )
 from vllm_draft_offload.l3_writes import L3WritePlanner, part_remover
+from vllm_draft_offload.load_planner import plan_load
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
     DraftOffloadWorkerMetadata,
@@ -31,9 +32,11 @@ from vllm_draft_offload.metadata import (
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.store_planner import blocks_being_loaded, loads_read_by, plan_request_stores
+from vllm_draft_offload.window_pins import WindowPins
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -73,6 +76,8 @@ class JobRecord:
     # Load only: the request waits for it in WAITING_FOR_REMOTE_KVS (async_loads).
     asynchronous: bool = False
     has_l3_writes: bool = False  # store only: workers hold L3 writes for its verdict
+    # Store only: sliding-window blocks held for it (window_pins), released when it ends.
+    held_blocks: list[KVCacheBlock] = field(default_factory=list)
 
 
 class DraftOffloadScheduler:
@@ -145,6 +150,7 @@ class DraftOffloadScheduler:
             # if its fetch then failed.
             self.l3.on_found = self.l3_writes.mark_in_storage
             self.l3.on_unusable = self.l3_writes.mark_not_in_storage
+        self.pins = WindowPins(layout)
         self.audit = RecomputeAudit(
             config.audit_recompute_fraction,
             self.index,
@@ -157,6 +163,7 @@ class DraftOffloadScheduler:
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
+        self.pins.bind(manager.block_pool)
 
     # ------------------------------------------------------------------ lookup
 
@@ -199,6 +206,7 @@ class DraftOffloadScheduler:
             self.num_successors,
             self._lookup,
             self.min_compute_tokens,
+            can_end=self.layout.restorable,
         )
 
     def get_num_new_matched_tokens(
@@ -247,66 +255,21 @@ class DraftOffloadScheduler:
         if match.num_tokens != num_external_tokens:
             # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
             match.end_token = match.start_token + num_external_tokens
-        block_ids = blocks.get_block_ids()
-        units: list[UnitId] = []
-        host_pages: list[list[int]] = [[] for _ in self.layout.groups]
-        gpu_blocks: list[list[int]] = [[] for _ in self.layout.groups]
-        error_blocks: list[list[int]] = [[] for _ in self.layout.groups]
-        loaded_end = match.end_token
-        for chunk, view in match.chunks:
-            if chunk * self.chunk_size >= match.end_token:
-                break
-            unit_id: UnitId = view.handle  # type: ignore[assignment]
-            entry = self.index.get(unit_id) if loaded_end == match.end_token else None
-            if entry is None or not entry.ready:
-                # Evicted between lookup and allocation: vLLM already counts these
-                # tokens as loaded, so the worker reports their blocks (and every later
-                # chunk's: a prefix cannot have holes) for recompute.
-                loaded_end = min(loaded_end, chunk * self.chunk_size)
-                self.layout.add_chunk_pages(
-                    [[] for _ in self.layout.groups],
-                    error_blocks,
-                    0,
-                    chunk,
-                    block_ids,
-                    match.start_token,
-                    match.end_token,
-                )
-                continue
-            self.index.pin(unit_id)
-            units.append(unit_id)
-            self.layout.add_chunk_pages(
-                host_pages,
-                gpu_blocks,
-                entry.slot,
-                chunk,
-                block_ids,
-                match.start_token,
-                match.end_token,
-            )
-        if self.async_loads and loaded_end < match.end_token:
-            # vLLM recomputes a failed asynchronous load whole (and looks it up
-            # again, finding the chunks still stored): copy nothing, and keep the
-            # units, which are sound.
-            for unit_id in units:
-                self.index.unpin(unit_id)
-            units, loaded_end = [], match.start_token
-            host_pages = [[] for _ in self.layout.groups]
-            gpu_blocks = [[] for _ in self.layout.groups]
+        plan = plan_load(self.index, self.layout, match, blocks.get_block_ids(), self.async_loads)
         job = TransferJob(
             next(self._job_ids),
             request.request_id,
             "load",
-            host_pages,
-            gpu_blocks,
-            error_blocks=[block for blocks in error_blocks for block in blocks],
+            plan.host_pages,
+            plan.gpu_blocks,
+            error_blocks=plan.error_blocks,
         )
         self._add_job(
             job.job_id,
-            JobRecord(request.request_id, "load", units, asynchronous=self.async_loads),
+            JobRecord(request.request_id, "load", plan.units, asynchronous=self.async_loads),
         )
         state.inflight_jobs.add(job.job_id)
-        state.restored_tokens = max(0, loaded_end - match.start_token)
+        state.restored_tokens = max(0, plan.loaded_end - match.start_token)
         # Chunks already in the tier need no store; skip past them.
         state.next_store_chunk = max(state.next_store_chunk, match.end_token // self.chunk_size)
         self._pending_loads.append(job)
@@ -320,6 +283,7 @@ class DraftOffloadScheduler:
         block_ids: tuple[list[int], ...],
         finishing: bool,
     ) -> TransferJob | None:
+        req_id = state.request.request_id
         plan = plan_request_stores(
             self.index,
             self.layout,
@@ -329,11 +293,15 @@ class DraftOffloadScheduler:
             computed_after_step,
             self.num_successors,
             self.config,
-            block_ids,
+            # Freed sliding-window blocks a unit still needs are read where they are held.
+            self.pins.block_table(req_id, block_ids),
             # No slot for a store: a queued L3 write gives its slot back once confirmed.
             on_full=self.l3_writes.relieve if self.l3_writes is not None else None,
         )
+        if plan.window_lost:
+            self.pins.give_up(req_id)
         state.next_store_chunk = plan.next_chunk
+        held = self.pins.settle(req_id, plan.chunks, plan.next_chunk)
         units = plan.units
         if not units and not (finishing and state.inflight_jobs):
             return None
@@ -355,6 +323,7 @@ class DraftOffloadScheduler:
                 units,
                 first_chunk=plan.first_chunk,
                 has_l3_writes=bool(job.l3_units),
+                held_blocks=held,
             ),
         )
         state.inflight_jobs.add(job.job_id)
@@ -392,6 +361,7 @@ class DraftOffloadScheduler:
                 continue
             computed_after = state.request.num_computed_tokens + num_scheduled
             block_ids = self._kv_cache_manager.get_block_ids(req_id)
+            self.pins.track(req_id, state.next_store_chunk, computed_after, block_ids)
             job = self._store_job(state, computed_after, block_ids, finishing=False)
             if job is not None:
                 job.after_loads = loads_read_by(self.layout, block_ids, loading)
@@ -407,6 +377,7 @@ class DraftOffloadScheduler:
                 meta.flush_stores = True
             # Its blocks are gone; a resumed request re-looks-up from scratch.
             state.next_store_chunk = 0
+            self.pins.forget(req_id)
             self.audit.release(req_id)
         if self.l3_writes is not None:
             meta.l3_cancel_writes = self.l3_writes.take_cancels()
@@ -431,8 +402,10 @@ class DraftOffloadScheduler:
             # Finished while waiting for its load (aborted): it computed nothing to
             # store, and vLLM holds its blocks until the load is reported in
             # finished_recving. A finishing store would free them a second time.
+            self.pins.forget(request.request_id)
             return False, None
         job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
+        self.pins.forget(request.request_id)  # what no store needs (the job took its own)
         if job is None:
             return False, None
         self._pending_finish_stores.append(job)
@@ -500,6 +473,7 @@ class DraftOffloadScheduler:
             return
         self._last_progress = time.monotonic()
         del self._jobs[job_id]
+        self.pins.release(record.held_blocks)
         if record.direction == "fetch":
             assert self.l3 is not None
             self.l3.fetch_finished(

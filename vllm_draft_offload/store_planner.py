@@ -37,10 +37,14 @@ class StorePlan:
     # The chunk this plan started at: a failed store job is retried from here.
     first_chunk: int = 0
     units: list[UnitId] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # the chunk of each unit
     host_pages: list[list[int]] = field(default_factory=list)
     gpu_blocks: list[list[int]] = field(default_factory=list)
     # Each new unit with its slot and chain position, for the L3 write planner.
     l3_units: list[PlannedUnit] = field(default_factory=list)
+    # A sliding-window page of `next_chunk` is freed: it and every later chunk of the
+    # request can never be stored (window_pins).
+    window_lost: bool = False
 
 
 def plan_stores(
@@ -76,6 +80,11 @@ def plan_stores(
             # chunk to reuse behind it (yet): a copy would buy one token. Wait:
             # once the request grows a further chunk, this one is worth storing.
             break
+        # Unit pages whose blocks vLLM has freed (and nobody holds): none can be copied.
+        probe: list[list[int]] = [[] for _ in layout.groups]
+        if not layout.add_unit_pages(probe, [[] for _ in layout.groups], 0, chunk, block_ids):
+            plan.window_lost = True
+            break
         entry = index.reserve(unit_id)
         if entry is None:
             if on_full is not None:
@@ -83,12 +92,11 @@ def plan_stores(
             break  # every slot is storing or being loaded: retry this chunk later
         plan.next_chunk = chunk + 1
         plan.units.append(unit_id)
+        plan.chunks.append(chunk)
         plan.l3_units.append(
             PlannedUnit(unit_id, entry.slot, chunk, keys[chunk - 1] if chunk else None)
         )
-        layout.add_chunk_pages(
-            plan.host_pages, plan.gpu_blocks, entry.slot, chunk, block_ids, 0, chunk_end
-        )
+        layout.add_unit_pages(plan.host_pages, plan.gpu_blocks, entry.slot, chunk, block_ids)
     return plan
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vllm_draft_offload.geometry import LayerSlot, UnitLayout
+from vllm_draft_offload.windows import NULL_BLOCK
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class LayerRegion:
 
     slot: LayerSlot
     group_index: int  # position in UnitLayout.groups
-    blocks_per_chunk: int
+    pages_per_unit: int  # the group's pages in a unit (GroupLayout.pages_per_unit)
     device_base: int
     device_block_stride: int
     num_blocks: int
@@ -110,14 +111,21 @@ def layer_descriptors(
     device_blocks: list[int],
     to_host: bool,
 ) -> Descriptors:
-    """One descriptor per page of one layer."""
+    """One descriptor per page of one layer.
+
+    A plan naming vLLM's null block is refused: that block stands for every freed
+    sliding-window position of every request and must stay zero, and what it holds
+    is no request's KV, so neither a load nor a store may touch it.
+    """
     pages = np.asarray(host_pages, dtype=np.int64)
     blocks = np.asarray(device_blocks, dtype=np.int64)
     if len(pages) != len(blocks):
         raise ValueError("host pages and device blocks differ in length")
     if len(blocks) and (blocks.min() < 0 or blocks.max() >= region.num_blocks):
         raise ValueError(f"block id out of range for layer {region.slot.name}")
-    slots, page_in_chunk = np.divmod(pages, region.blocks_per_chunk)
+    if len(blocks) and (blocks == NULL_BLOCK).any():
+        raise ValueError(f"copy plan names vLLM's null block for layer {region.slot.name}")
+    slots, page_in_chunk = np.divmod(pages, region.pages_per_unit)
     if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
         raise ValueError("host slot out of range")
     host = (
@@ -176,7 +184,7 @@ def build_layer_regions(
             LayerRegion(
                 slot=slot,
                 group_index=index,
-                blocks_per_chunk=layout.groups[index].blocks_per_chunk,
+                pages_per_unit=layout.groups[index].pages_per_unit,
                 device_base=view.data_ptr(),
                 device_block_stride=block_stride,
                 num_blocks=num_blocks,

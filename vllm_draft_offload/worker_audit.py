@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def job_slots(layout: UnitLayout, job: TransferJob) -> set[int]:
     """The CPU-tier slots (one per chunk) a job reads or writes."""
     first = layout.groups[0]
-    return {page // first.blocks_per_chunk for page in job.host_pages[0]}
+    return {page // first.pages_per_unit for page in job.host_pages[0]}
 
 
 class SlotChecksums:

@@ -79,8 +79,11 @@ class DraftOffloadWorker:
         rank: int = 0,
         kv_cache_dtype: str = "auto",
         async_loads: bool = False,
+        hit_slack: int = 0,
     ) -> None:
         self.config = config
+        # Where hits may end (geometry.HitRules): what a sliding-window group's unit holds.
+        self.hit_slack = hit_slack
         # Several KV-cache groups: loads are asynchronous (see DraftOffloadConnector).
         self.async_loads = async_loads
         self._async = AsyncLoads()
@@ -121,7 +124,7 @@ class DraftOffloadWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = build_unit_layout(
-            self.kv_cache_config, self.config.chunk_size, self.draft_layer_names
+            self.kv_cache_config, self.config.chunk_size, self.draft_layer_names, self.hit_slack
         )
         # KV-sharing layers alias another layer's tensor: move the bytes once and
         # let either name's wait_for_layer_load find the owner's event.

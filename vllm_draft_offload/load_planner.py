@@ -1,0 +1,86 @@
+"""The copies that restore an admitted hit: which units, host pages and GPU blocks.
+
+vLLM has allocated the request's blocks for the hit (`update_state_after_alloc`);
+this turns the lookup's match into a load plan. A sliding-window group gets only
+the blocks vLLM allocated for the window before the hit's end (windows.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
+from vllm_draft_offload.geometry import UnitLayout
+from vllm_draft_offload.hit_logic import PrefixMatch
+
+
+@dataclass
+class LoadPlan:
+    units: list[UnitId] = field(default_factory=list)  # pinned in the index
+    host_pages: list[list[int]] = field(default_factory=list)
+    gpu_blocks: list[list[int]] = field(default_factory=list)
+    # GPU blocks vLLM counts as loaded whose units are gone: reported for recompute.
+    error_blocks: list[int] = field(default_factory=list)
+    loaded_end: int = 0  # tokens restored end here
+
+
+def plan_load(
+    index: CpuTierIndex,
+    layout: UnitLayout,
+    match: PrefixMatch,
+    block_ids: tuple[list[int], ...],
+    async_loads: bool,
+) -> LoadPlan:
+    """Pin and pair the units of `match` (already trimmed to what vLLM admitted)."""
+    groups = len(layout.groups)
+    plan = LoadPlan(
+        host_pages=[[] for _ in range(groups)],
+        gpu_blocks=[[] for _ in range(groups)],
+        loaded_end=match.end_token,
+    )
+    # vLLM may have trimmed the hit to an end whose window the units do not hold
+    # (never with our own hit ends): then nothing can be restored.
+    restorable = layout.restorable(match.start_token, match.end_token)
+    error_blocks: list[list[int]] = [[] for _ in range(groups)]
+    for chunk, view in match.chunks:
+        if chunk * layout.chunk_size >= match.end_token:
+            break
+        unit_id: UnitId = view.handle  # type: ignore[assignment]
+        entry = index.get(unit_id) if restorable and plan.loaded_end == match.end_token else None
+        if entry is None or not entry.ready:
+            # Evicted between lookup and allocation: vLLM already counts these
+            # tokens as loaded, so the worker reports their blocks (and every later
+            # chunk's: a prefix cannot have holes) for recompute.
+            plan.loaded_end = min(plan.loaded_end, chunk * layout.chunk_size)
+            layout.add_restore_pages(
+                [[] for _ in range(groups)],
+                error_blocks,
+                0,
+                chunk,
+                block_ids,
+                match.start_token,
+                match.end_token,
+            )
+            continue
+        index.pin(unit_id)
+        plan.units.append(unit_id)
+        layout.add_restore_pages(
+            plan.host_pages,
+            plan.gpu_blocks,
+            entry.slot,
+            chunk,
+            block_ids,
+            match.start_token,
+            match.end_token,
+        )
+    plan.error_blocks = [block for blocks in error_blocks for block in blocks]
+    if async_loads and plan.loaded_end < match.end_token:
+        # vLLM recomputes a failed asynchronous load whole (and looks it up
+        # again, finding the chunks still stored): copy nothing, and keep the
+        # units, which are sound.
+        for unit_id in plan.units:
+            index.unpin(unit_id)
+        plan.units, plan.loaded_end = [], match.start_token
+        plan.host_pages = [[] for _ in range(groups)]
+        plan.gpu_blocks = [[] for _ in range(groups)]
+    return plan

@@ -1,0 +1,126 @@
+"""Sliding-window blocks held for the unit stores that still have to read them.
+
+vLLM frees a request's sliding-window blocks as its window moves on (to the null
+block, in the request's block table). A chunk's unit is often stored later than
+its KV is computed: its successor tokens are known a step later, a full tier
+retries it, a finishing request stores what is left. By then the pages the unit
+holds (windows.py) may be gone. So, from the step a chunk's pages are computed
+until its unit's store has read them, each such block carries one extra
+reference (vLLM's ``BlockPool.touch``, as vLLM's own SimpleCPU offloading does
+for stores in flight): the pool neither hands it out nor overwrites it, the
+store reads it by its id, and the reference is dropped (``free_blocks``) when
+the store job ends or the chunk no longer needs storing. That also keeps a freed
+block from being reused while a store on the side stream still reads it.
+
+At most ``MAX_CHUNKS`` chunks per request are held beyond the next one to store,
+so a stalled store (a full tier) never holds more than that many chunks' windows
+out of vLLM's pool; a chunk past that whose pages are freed is simply not stored,
+and nothing after it either (a lookup could not reach it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from vllm_draft_offload.geometry import UnitLayout
+from vllm_draft_offload.windows import NULL_BLOCK
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+# Chunks per request whose window pages are held ahead of its next store.
+MAX_CHUNKS = 4
+
+# (layout group index, index in the request's block table) -> held block
+ChunkPins = dict[tuple[int, int], "KVCacheBlock"]
+
+
+class WindowPins:
+    """Per request and chunk, the sliding-window blocks its unit store still needs."""
+
+    def __init__(self, layout: UnitLayout) -> None:
+        self.layout = layout
+        self.pool: BlockPool | None = None
+        self._pins: dict[str, dict[int, ChunkPins]] = {}
+        self._given_up: set[str] = set()
+
+    @property
+    def active(self) -> bool:
+        """Whether some group has a sliding window (vLLM frees its blocks early)."""
+        return any(group.reach is not None for group in self.layout.groups)
+
+    def bind(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def held(self) -> int:
+        return sum(len(pins) for chunks in self._pins.values() for pins in chunks.values())
+
+    def track(
+        self, req_id: str, next_chunk: int, computed_after: int, block_ids: tuple[list[int], ...]
+    ) -> None:
+        """Hold the unit pages of the request's chunks not stored yet that hold KV by
+        the end of this step (vLLM allocated their blocks this step at the latest, and
+        frees them at a later step's scheduling at the earliest)."""
+        if self.pool is None or not self.active or req_id in self._given_up:
+            return
+        chunk_size = self.layout.chunk_size
+        chunks = self._pins.setdefault(req_id, {})
+        end = min(next_chunk + MAX_CHUNKS, -(-computed_after // chunk_size))
+        for chunk in range(next_chunk, end):
+            pins = chunks.setdefault(chunk, {})
+            for g, group in enumerate(self.layout.groups):
+                if group.reach is None:
+                    continue  # full attention: vLLM holds its blocks until the request ends
+                table = block_ids[group.group_id]
+                for page in range(group.first_page, group.blocks_per_chunk):
+                    index = chunk * group.blocks_per_chunk + page
+                    if (g, index) in pins or index >= len(table) or table[index] == NULL_BLOCK:
+                        continue
+                    block = self.pool.blocks[table[index]]
+                    self.pool.touch([block])
+                    pins[(g, index)] = block
+
+    def block_table(self, req_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:
+        """The request's block table with held blocks in place of freed entries."""
+        chunks = self._pins.get(req_id)
+        if not chunks:
+            return block_ids
+        table = [list(ids) for ids in block_ids]
+        for pins in chunks.values():
+            for (g, index), block in pins.items():
+                row = table[self.layout.groups[g].group_id]
+                if index < len(row) and row[index] == NULL_BLOCK:
+                    row[index] = block.block_id
+        return tuple(table)
+
+    def settle(self, req_id: str, stored: Iterable[int], next_chunk: int) -> list[KVCacheBlock]:
+        """A store job was planned: hand it the blocks of the chunks it stores (released
+        when it ends), and release those of chunks below `next_chunk` that needed no
+        store (found in the tier)."""
+        chunks = self._pins.get(req_id)
+        if not chunks:
+            return []
+        taken = [block for chunk in stored for block in chunks.pop(chunk, {}).values()]
+        passed = [chunk for chunk in chunks if chunk < next_chunk]
+        self.release(block for chunk in passed for block in chunks.pop(chunk).values())
+        return taken
+
+    def give_up(self, req_id: str) -> None:
+        """A chunk's pages were freed before they could be held: it and every later
+        chunk of the request will never be stored, so hold nothing more for it."""
+        self._given_up.add(req_id)
+        self.forget(req_id, keep_given_up=True)
+
+    def forget(self, req_id: str, keep_given_up: bool = False) -> None:
+        """The request finished or lost its blocks (preempted, reset): release its holds."""
+        chunks = self._pins.pop(req_id, {})
+        self.release(block for pins in chunks.values() for block in pins.values())
+        if not keep_given_up:
+            self._given_up.discard(req_id)
+
+    def release(self, blocks: Iterable[KVCacheBlock]) -> None:
+        blocks = list(blocks)
+        if blocks and self.pool is not None:
+            self.pool.free_blocks(blocks)
