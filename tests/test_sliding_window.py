@@ -337,9 +337,20 @@ def test_held_blocks_are_bounded_and_released(model_dirs: tuple[Path, Path]) -> 
     freed = [[NULL_BLOCK] * len(row) for row in table]
     overlaid = pins.block_table("r", tuple(freed))
     assert sum(b != NULL_BLOCK for b in overlaid[group_id]) == pins.held()
-    taken = pins.settle("r", [1], next_chunk=2)  # chunk 0 found stored, chunk 1 stored
-    assert len(taken) == group.pages_per_unit
-    assert pins.held() == (MAX_CHUNKS - 2) * group.pages_per_unit
+    # Chunk 0 was found stored, chunks 1 and 6 are stored now: the job holds what it
+    # reads (chunk 6 was not held while waiting; its blocks are still the request's).
+    table6 = [list(row) for row in overlaid]
+    row = table6[group_id]
+    start = 6 * group.blocks_per_chunk
+    row[start : start + group.blocks_per_chunk] = table[group_id][
+        start : start + group.blocks_per_chunk
+    ]
+    for block in blocks[start : start + group.blocks_per_chunk]:
+        pool.touch([block])  # as if the request still held chunk 6's blocks
+    taken = pins.settle("r", [1, 6], next_chunk=7, block_ids=tuple(table6))
+    assert len(taken) == 2 * group.pages_per_unit
+    assert pins.held() == 0  # chunks 2 and 3 are below next_chunk now: released
+    pool.free_blocks(blocks[start : start + group.blocks_per_chunk])
     pins.release(taken)
     pins.forget("r")
     assert pins.held() == 0 and pool.get_num_free_blocks() == free + len(blocks)

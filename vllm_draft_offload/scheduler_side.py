@@ -284,6 +284,8 @@ class DraftOffloadScheduler:
         finishing: bool,
     ) -> TransferJob | None:
         req_id = state.request.request_id
+        # Freed sliding-window blocks a unit still needs are read where they are held.
+        block_ids = self.pins.block_table(req_id, block_ids)
         plan = plan_request_stores(
             self.index,
             self.layout,
@@ -293,15 +295,14 @@ class DraftOffloadScheduler:
             computed_after_step,
             self.num_successors,
             self.config,
-            # Freed sliding-window blocks a unit still needs are read where they are held.
-            self.pins.block_table(req_id, block_ids),
+            block_ids,
             # No slot for a store: a queued L3 write gives its slot back once confirmed.
             on_full=self.l3_writes.relieve if self.l3_writes is not None else None,
         )
         if plan.window_lost:
             self.pins.give_up(req_id)
         state.next_store_chunk = plan.next_chunk
-        held = self.pins.settle(req_id, plan.chunks, plan.next_chunk)
+        held = self.pins.settle(req_id, plan.chunks, plan.next_chunk, block_ids)
         units = plan.units
         if not units and not (finishing and state.inflight_jobs):
             return None

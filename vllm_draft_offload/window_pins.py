@@ -12,10 +12,11 @@ store reads it by its id, and the reference is dropped (``free_blocks``) when
 the store job ends or the chunk no longer needs storing. That also keeps a freed
 block from being reused while a store on the side stream still reads it.
 
-At most ``MAX_CHUNKS`` chunks per request are held beyond the next one to store,
-so a stalled store (a full tier) never holds more than that many chunks' windows
-out of vLLM's pool; a chunk past that whose pages are freed is simply not stored,
-and nothing after it either (a lookup could not reach it).
+While waiting, at most ``MAX_CHUNKS`` chunks per request are held from the next
+one to store on, so a stalled store (a full tier) never holds more than that many
+chunks' windows out of vLLM's pool; a chunk past that whose pages are freed is
+simply not stored, and nothing after it either (a lookup could not reach it). A
+planned store job holds every window block it reads, for as long as it runs.
 """
 
 from __future__ import annotations
@@ -65,22 +66,26 @@ class WindowPins:
         frees them at a later step's scheduling at the earliest)."""
         if self.pool is None or not self.active or req_id in self._given_up:
             return
-        chunk_size = self.layout.chunk_size
         chunks = self._pins.setdefault(req_id, {})
-        end = min(next_chunk + MAX_CHUNKS, -(-computed_after // chunk_size))
+        end = min(next_chunk + MAX_CHUNKS, -(-computed_after // self.layout.chunk_size))
         for chunk in range(next_chunk, end):
-            pins = chunks.setdefault(chunk, {})
-            for g, group in enumerate(self.layout.groups):
-                if group.reach is None:
-                    continue  # full attention: vLLM holds its blocks until the request ends
-                table = block_ids[group.group_id]
-                for page in range(group.first_page, group.blocks_per_chunk):
-                    index = chunk * group.blocks_per_chunk + page
-                    if (g, index) in pins or index >= len(table) or table[index] == NULL_BLOCK:
-                        continue
-                    block = self.pool.blocks[table[index]]
-                    self.pool.touch([block])
-                    pins[(g, index)] = block
+            self._hold(chunks.setdefault(chunk, {}), chunk, block_ids)
+
+    def _hold(self, pins: ChunkPins, chunk: int, block_ids: tuple[list[int], ...]) -> None:
+        """Add a reference to every unit page of `chunk` in a window group that is
+        allocated (not the null block) and not held yet."""
+        assert self.pool is not None
+        for g, group in enumerate(self.layout.groups):
+            if group.reach is None:
+                continue  # full attention: vLLM holds its blocks until the request ends
+            table = block_ids[group.group_id]
+            for page in range(group.first_page, group.blocks_per_chunk):
+                index = chunk * group.blocks_per_chunk + page
+                if (g, index) in pins or index >= len(table) or table[index] == NULL_BLOCK:
+                    continue
+                block = self.pool.blocks[table[index]]
+                self.pool.touch([block])
+                pins[(g, index)] = block
 
     def block_table(self, req_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:
         """The request's block table with held blocks in place of freed entries."""
@@ -95,14 +100,26 @@ class WindowPins:
                     row[index] = block.block_id
         return tuple(table)
 
-    def settle(self, req_id: str, stored: Iterable[int], next_chunk: int) -> list[KVCacheBlock]:
-        """A store job was planned: hand it the blocks of the chunks it stores (released
-        when it ends), and release those of chunks below `next_chunk` that needed no
-        store (found in the tier)."""
-        chunks = self._pins.get(req_id)
-        if not chunks:
+    def settle(
+        self,
+        req_id: str,
+        stored: Iterable[int],
+        next_chunk: int,
+        block_ids: tuple[list[int], ...],
+    ) -> list[KVCacheBlock]:
+        """A store job was planned on `block_ids` (held blocks in place): hand it a
+        reference to every window block it reads, for its whole flight (a store on the
+        side stream must not read a block vLLM freed and reused meanwhile), released
+        when it ends; release the holds of chunks below `next_chunk` it does not store
+        (found in the tier)."""
+        if self.pool is None or not self.active:
             return []
-        taken = [block for chunk in stored for block in chunks.pop(chunk, {}).values()]
+        chunks = self._pins.setdefault(req_id, {})
+        taken: list[KVCacheBlock] = []
+        for chunk in stored:
+            pins = chunks.pop(chunk, {})
+            self._hold(pins, chunk, block_ids)
+            taken += pins.values()
         passed = [chunk for chunk in chunks if chunk < next_chunk]
         self.release(block for chunk in passed for block in chunks.pop(chunk).values())
         return taken
