@@ -258,3 +258,73 @@ def test_eagle_heads_load_into_vllm_loaders(
     layer = "layers.0." if method == "eagle" else "midlayer."
     q = saved[layer + "self_attn.q_proj.weight"]
     assert torch.equal(params["model.layers.0.self_attn.qkv_proj.weight"][: q.shape[0]], q)
+
+
+# ------------------------------------------------------- Gemma-3-shaped (sliding windows)
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def windows_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fixtures-swa")
+    argv = ["fixtures", "--out", str(out), "--preset", "tiny", "--max-steps", str(MAX_STEPS)]
+    assert cli.main([*argv, "--sliding-window", str(WINDOW), "--full-every", "3"]) == 0
+    return out
+
+
+def test_sliding_window_layout_shapes_and_masks() -> None:
+    """Whole groups of layers (Gemma 3: five sliding to one full), and the training
+    mask hook gives a sliding layer vLLM's window: a token sees itself and the
+    window - 1 tokens before it, no further."""
+    from transformers import LlamaForCausalLM
+
+    from vllm_draft_offload.bench.fixtures.build import resolve_preset
+    from vllm_draft_offload.bench.fixtures.hybrid import SlidingWindowLayout, apply_sliding_windows
+    from vllm_draft_offload.bench.fixtures.models import llama_config
+
+    gemma = SlidingWindowLayout(512)
+    shape = LlamaShape(4, 64, 2, 2, 32, 128)
+    assert gemma.target_shape(shape).num_layers == 6
+    assert gemma.layer_types(12) == (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    layout = SlidingWindowLayout(4, full_every=2)  # one layer: sliding
+    preset = resolve_preset("tiny")
+    model = LlamaForCausalLM(llama_config(LlamaShape(1, 64, 2, 2, 32, 128), preset)).eval()
+    model.config._attn_implementation = "sdpa"
+    apply_sliding_windows(model, layout)
+    tokens = torch.arange(10, 30)[None]
+    with torch.no_grad():
+        last = model(input_ids=tokens).logits[0, -1]
+        for position, inside in ((len(tokens[0]) - 5, False), (len(tokens[0]) - 4, True)):
+            other = tokens.clone()
+            other[0, position] = 99
+            changed = not torch.allclose(model(input_ids=other).logits[0, -1], last)
+            assert changed == inside, position
+
+
+def test_gemma3_shaped_fixture_is_read_by_vllm_as_sliding_windows(
+    windows_dir: Path, vllm_dist: None
+) -> None:
+    """The target and self-draft carry layer_types / sliding_window; vLLM 0.33's
+    Llama gives those layers sliding-window KV (its own grouping then frees them)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    for name in ("target", "self-draft"):
+        config = json.loads((windows_dir / name / "config.json").read_text())
+        assert config["layer_types"] == ["sliding_attention"] * 2 + ["full_attention"]
+        assert config["sliding_window"] == WINDOW
+        assert _meta(windows_dir / name)["sliding_window"] == {"window": WINDOW, "full_every": 3}
+    small = json.loads((windows_dir / "small-draft" / "config.json").read_text())
+    assert "layer_types" not in small  # a full-attention drafter of another geometry
+    cfg = EngineArgs(
+        model=str(windows_dir / "target"), dtype="float32", block_size=32, max_model_len=256
+    ).create_engine_config()
+    assert cfg.cache_config.sliding_window is None  # per layer, not model-wide
+    with set_current_vllm_config(cfg):
+        model = LlamaForCausalLM(vllm_config=cfg, prefix="")
+        specs = [layer.self_attn.attn.get_kv_cache_spec(cfg) for layer in model.model.layers]
+    assert [type(s) for s in specs] == [SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec]
+    assert specs[0].sliding_window == WINDOW
