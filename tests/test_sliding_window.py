@@ -415,3 +415,18 @@ def test_unit_bytes_by_group(model_dirs: tuple[Path, Path], capsys: pytest.Captu
         assert (sliding < full) == (window - 1 + 2 <= chunk - 16), name
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+def test_fingerprint_names_the_window_cut_only_where_there_is_one(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """Full-attention layouts keep the fingerprint (and so the keys) they had before
+    windows were handled; a window group's cut is part of its fingerprint."""
+    plain = SimEngine(*model_dirs, SimSetup()).kv_cache_config
+    assert (
+        build_unit_layout(plain, 32, hit_slack=0).fingerprint()
+        == build_unit_layout(plain, 32, hit_slack=5).fingerprint()
+    )
+    hybrid = engine(model_dirs).kv_cache_config
+    cuts = {build_unit_layout(hybrid, CHUNK, hit_slack=s).fingerprint() for s in (0, 2, 40)}
+    assert len(cuts) == 3

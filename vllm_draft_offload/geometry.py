@@ -161,8 +161,12 @@ class UnitLayout:
         desc = {
             "chunk_size": self.chunk_size,
             "layout": self.kv_cache_layout,
+            # A window group's part of a unit is named by its window (what a full-attention
+            # group's was stays as it was: units stored before windows were handled keep
+            # their keys).
             "groups": [
-                [g.block_size, g.blocks_per_chunk, g.is_eagle_group, g.reach, g.first_page]
+                [g.block_size, g.blocks_per_chunk, g.is_eagle_group]
+                + ([g.reach, g.first_page] if g.reach is not None else [])
                 for g in self.groups
             ],
             "layers": [
