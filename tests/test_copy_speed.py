@@ -60,7 +60,7 @@ def test_auto_uses_the_shipped_table_without_both_forced_paths(tmp_path: Path) -
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["auto_rules_source"].startswith("table: NVIDIA H100")
-    assert report["auto_rules"]["load"]["max_bytes"] == 48 * 1024
+    assert report["auto_rules"]["load"]["max_bytes"] == 256 * 1024
 
 
 def test_rules_are_written_only_from_a_gpu_run_of_both_paths(

@@ -255,13 +255,17 @@ def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path
     ours(wrong)["requests"][5]["output"][0] += 1  # one token of one answer differs
     (row,) = _pressure(tmp_path / "a", wrong)["summary"]["rows"]
     assert row["verdict"] == "fail" and row["ours_mismatch"] == 1
-    # the control's own mismatches excuse as many of ours, unless batch-invariant
+    # the control's own mismatches excuse as many of ours, batch-invariant or not
+    # (that mode leaves cached-vs-computed KV differences: seen on an H100)
     ctl = next(r for r in wrong["runs"] if r["role"] == "control")
     ctl["requests"][7]["output"][0] += 1
     (row,) = _pressure(tmp_path / "b", wrong)["summary"]["rows"]
     assert row["verdict"] == "pass" and row["control_mismatch"] == 1
     wrong["batch_invariant"] = True
     (row,) = _pressure(tmp_path / "c", wrong)["summary"]["rows"]
+    assert row["verdict"] == "pass"
+    ours(wrong)["requests"][9]["output"][0] += 1  # one more than the control's
+    (row,) = _pressure(tmp_path / "c2", wrong)["summary"]["rows"]
     assert row["verdict"] == "fail"
 
     nohit = copy.deepcopy(base)

@@ -122,7 +122,10 @@ def _pressure_row(
                 failed.append("no CPU-tier hits")
             if row["external_hit_fraction"] < MIN_EXT_HIT_FRACTION:
                 failed.append(f"external hits {row['external_hit_fraction']:.1%} of prompt tokens")
-            limit = 0 if data.get("batch_invariant") else row["control_mismatch"]
+            # Batch-invariant mode does not make a GPU prefix-cache hit match a full
+            # prefill (an H100 run's control differed on 1 and 4 of 1494 with it on):
+            # the control's mismatches are the noise floor either way.
+            limit = row["control_mismatch"]
             if row["ours_mismatch"] > limit:
                 failed.append(f"{row['ours_mismatch']} outputs differ (control {limit})")
             ratio = row["acceptance"]["ratio"]
