@@ -33,3 +33,12 @@ def add_eager_or_compile(parser: argparse.ArgumentParser) -> None:
     # Both flags share ``dest``; argparse would take the first one's default (True, of
     # ``store_false``), i.e. compile unless told otherwise.
     parser.set_defaults(compile=False)
+
+
+def add_child_args(parser: argparse.ArgumentParser) -> None:
+    """The hidden options a benchmark passes to its own child process (one engine per
+    process: `--child OUT.json` with the model paths and the configuration to run)."""
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--draft", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_draft_offload.bench.options import command_parser
+from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.restore import SHAPES, VOCAB, kv_bytes_per_token, write_config
 from vllm_draft_offload.bench.workloads.run import CPU_ENV
@@ -404,10 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="vLLM on the CPU (with --shape tiny and small sizes: checks the tool runs)",
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--target", help=argparse.SUPPRESS)
-    parser.add_argument("--draft", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
+    add_child_args(parser)
     return parser
 
 

@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_draft_offload.bench.options import command_parser
+from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.copy import pinned_memcpy_gbps
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
@@ -450,10 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="cold passes drop the whole host's page cache (root) instead of the unit files'",
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--target", help=argparse.SUPPRESS)
-    parser.add_argument("--draft", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
+    add_child_args(parser)
     args = parser.parse_args(argv)
     if args.child:
         Path(args.child).write_text(json.dumps(run_config(args)))
