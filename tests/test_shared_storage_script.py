@@ -14,7 +14,9 @@ def test_each_engine_has_a_fixed_kv_cache_and_the_shared_l3_dir() -> None:
     )  # fmt: skip
     kw = shared_storage.engine_kwargs(args, 4200)
     assert kw["kv_cache_memory_bytes"] == 8 << 30
-    assert "gpu_memory_utilization" not in kw  # cannot be shared by two engines
+    # vLLM 0.33 still checks free memory against gpu_memory_utilization at start (the
+    # default 0.92 failed on an H100 once the other engine ran): two must fit.
+    assert 2 * kw["gpu_memory_utilization"] <= 0.9
     extra = kw["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["lmcache.remote_url"] == "fs:///shared/l3"
     assert extra["l3"] == {"enabled": True}  # default L3 settings
