@@ -56,6 +56,22 @@ def all_released(eng: SimEngine) -> None:
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
 
 
+def restore_and_compare(
+    eng: SimEngine, req_id: str, tokens: list[int], reference: str, max_tokens: int
+) -> int:
+    """Empty the GPU cache, serve `tokens` again: every restored position holds a
+    fresh prefill's KV, the outputs equal `reference`'s and every held block is
+    released. Returns the tokens hit."""
+    eng.evict_gpu_kv()
+    eng.add_request(req_id, tokens, max_tokens=max_tokens)
+    eng.run_prefill(req_id)
+    assert eng.mismatched_positions(req_id) == []
+    eng.run_until_done()
+    assert eng.outputs[req_id] == eng.outputs[reference]
+    all_released(eng)
+    return eng.external_hits[req_id]
+
+
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_round_trip_is_bit_exact_for_every_layer_of_every_group(
     model_dirs: tuple[Path, Path], drafter: str
@@ -94,14 +110,7 @@ def test_restore_of_a_prompt_stored_after_its_window_moved_on(
     eng.add_request("fresh", tokens, max_tokens=4)
     eng.run_until_done()
     all_released(eng)
-    eng.evict_gpu_kv()
-    eng.add_request("restored", tokens, max_tokens=4)
-    eng.run_prefill("restored")
-    assert eng.external_hits["restored"] == 4 * CHUNK - 2
-    assert eng.mismatched_positions("restored") == []
-    eng.run_until_done()
-    assert eng.outputs["restored"] == eng.outputs["fresh"]
-    all_released(eng)
+    assert restore_and_compare(eng, "restored", tokens, "fresh", 4) == 4 * CHUNK - 2
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
@@ -121,14 +130,7 @@ def test_next_turn_restores_through_chunks_stored_while_decoding(
     sched.get_num_new_matched_tokens = lambda request, computed: (0, False)
     eng.run_until_done()
     sched.get_num_new_matched_tokens = lookup
-    eng.evict_gpu_kv()
-    eng.add_request("turn2", turn2, max_tokens=4)
-    eng.run_prefill("turn2")
-    assert eng.external_hits["turn2"] >= 3 * CHUNK
-    assert eng.mismatched_positions("turn2") == []
-    eng.run_until_done()
-    assert eng.outputs["turn2"] == eng.outputs["recomputed"]
-    all_released(eng)
+    assert restore_and_compare(eng, "turn2", turn2, "recomputed", 4) >= 3 * CHUNK
 
 
 def test_a_chunk_whose_window_pages_vllm_never_allocated_is_not_stored(
@@ -155,14 +157,7 @@ def test_a_chunk_whose_window_pages_vllm_never_allocated_is_not_stored(
     assert eng.external_hits["other"] == 4 * CHUNK - 1
     assert given_up and set(given_up) == {"other"}
     assert len(sched.index) == units  # no variant of chunk 3, nothing after it
-    eng.evict_gpu_kv()
-    eng.add_request("again", other, max_tokens=2)
-    eng.run_prefill("again")
-    assert eng.external_hits["again"] == 4 * CHUNK - 1
-    assert eng.mismatched_positions("again") == []
-    eng.run_until_done()
-    assert eng.outputs["again"] == eng.outputs["other"]
-    all_released(eng)
+    assert restore_and_compare(eng, "again", other, "other", 2) == 4 * CHUNK - 1
 
 
 def test_units_hold_exactly_what_vllm_keeps_for_a_restore(model_dirs: tuple[Path, Path]) -> None:

@@ -322,9 +322,9 @@ class CostModel:
         if not self._open_steps:
             return
         scheduled, tokens, attention, empty = self._open_steps.popleft()
-        started = max(scheduled, self._last_output)
         if empty:
             return
+        started = max(scheduled, self._last_output)
         self._last_output = now
         self.step_s += STEP_ALPHA * (now - started - self.step_s)
         if tokens:
