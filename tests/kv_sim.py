@@ -55,7 +55,12 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -156,6 +161,12 @@ class SimSetup:
     # Seconds the simulated forward takes per scheduled token, as a device would:
     # the L3 cost policy weighs storage reads against this recompute time.
     compute_s_per_token: float = 0.0
+    # DeepSeek MLA: every layer, draft included, one latent tensor per layer
+    # (kv_lora_rank 512 + rope 64 per token, no separate K/V), all in one group.
+    mla: bool = False
+
+
+MLA_SPEC = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
 
 
 def _draft_spec(setup: SimSetup) -> FullAttentionSpec:
@@ -177,7 +188,12 @@ def build_kv_cache_config(vllm_config: VllmConfig, setup: SimSetup) -> KVCacheCo
         else f"model.layers.{len(TARGET_LAYERS)}.self_attn.attn"
     )
     draft = _draft_spec(setup)
-    if setup.draft_layout == "shared_group":
+    if setup.mla:
+        # vLLM's MTP layer of an MLA model has the target's spec: one group for all.
+        groups = [
+            KVCacheGroupSpec([*TARGET_LAYERS, draft_name], MLA_SPEC, is_eagle_group=setup.eagle)
+        ]
+    elif setup.draft_layout == "shared_group":
         from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
         specs = {name: target for name in TARGET_LAYERS} | {draft_name: draft}
