@@ -187,6 +187,26 @@ def test_fixtures_dir_names_the_target_and_drafters(tmp_path: Path) -> None:
     assert cfg.model == "/m/t" and cfg.speculative_config["model"] == "/m/eagle3"
 
 
+def test_mtp_fixture_is_the_model_and_brings_its_speculative_tokens(tmp_path: Path) -> None:
+    """An MTP drafter lives in its target's checkpoint: --draft names the target, the
+    speculative config names no drafter, and k defaults to what the fixture was
+    trained for (multi-module MTP: one token per module)."""
+    fx = tmp_path
+    (fx / "glm-mtp2").mkdir()
+    meta = {"preset": "tiny", "num_speculative_tokens": 2}
+    (fx / "glm-mtp2" / "fixture_meta.json").write_text(json.dumps(meta))
+    args = ["--fixtures", str(fx), "--spec-method", "mtp", "--draft", "glm-mtp2"]
+    cfg = build_config(parse_args(args))
+    assert cfg.model == f"{fx}/glm-mtp2" and cfg.prompt_tokens == 256
+    assert cfg.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    cfg = build_config(parse_args([*args, "--num-spec-tokens", "1"]))  # given: wins
+    assert cfg.speculative_config["num_speculative_tokens"] == 1
+    cfg = build_config(parse_args(["--model", "/m/dsv3", "--spec-method", "mtp"]))
+    assert cfg.model == "/m/dsv3" and cfg.speculative_config["num_speculative_tokens"] == 3
+    with pytest.raises(SystemExit, match="mtp needs --draft"):
+        build_config(parse_args(["--fixtures", str(fx), "--spec-method", "mtp"]))
+
+
 # ------------------------------------------------------------------ probe connector
 
 

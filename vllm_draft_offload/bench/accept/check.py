@@ -47,6 +47,8 @@ EXAMPLES = """examples:
   # KV sensitivity: zero the restored draft KV, acceptance must drop
   vllm-draft-offload accept --fixtures F --spec-method draft_model --draft small-draft \\
       --corrupt-draft-kv --enforce-eager --out sens.json
+  # an MTP fixture: the target carries its MTP layers (vLLM loads both from it)
+  vllm-draft-offload accept --fixtures F --spec-method mtp --draft glm-mtp --out mtp.json
   # any model dirs instead of fixtures
   vllm-draft-offload accept --model /models/target --spec-method eagle3 \\
       --draft /models/eagle3 --out res.json
@@ -354,24 +356,43 @@ def _default_prompt_tokens(model: str) -> int:
 
 def model_dirs(args: argparse.Namespace) -> tuple[str, str | None]:
     """(target, drafter) dirs: ``--model``/``--draft`` as given, or in ``--fixtures``
-    (where a ``--draft`` without a ``/`` names a fixture)."""
+    (where a ``--draft`` without a ``/`` names a fixture). An MTP drafter lives in its
+    target's checkpoint: with ``--spec-method mtp``, ``--draft`` names the target
+    (an MTP fixture) and the drafter dir is None (vLLM reads the target's)."""
     fixtures = Path(args.fixtures) if args.fixtures else None
-    model = args.model or (str(fixtures / "target") if fixtures else None)
-    if model is None:
-        raise SystemExit("give --model or --fixtures")
     draft = args.draft
     if draft and fixtures is not None and "/" not in draft:
         draft = str(fixtures / draft)
+    if args.spec_method == "mtp":
+        model = args.model or draft
+        if model is None:
+            raise SystemExit("--spec-method mtp needs --draft (an MTP fixture) or --model")
+        return model, None
+    model = args.model or (str(fixtures / "target") if fixtures else None)
+    if model is None:
+        raise SystemExit("give --model or --fixtures")
     return model, draft
+
+
+def _fixture_spec_tokens(model: str) -> int | None:
+    """The speculative tokens an MTP fixture was trained for (its meta), if any."""
+    meta = Path(model) / "fixture_meta.json"
+    if not meta.exists():
+        return None
+    value = json.loads(meta.read_text()).get("num_speculative_tokens")
+    return int(value) if value is not None else None
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
     model, draft = model_dirs(args)
     spec = _json_arg(args.speculative_config)
     if spec is None and args.spec_method != "none":
-        if not draft and args.spec_method != "ngram":
+        if not draft and args.spec_method not in ("ngram", "mtp"):
             raise SystemExit("--draft is required with --spec-method " + args.spec_method)
-        spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens}
+        k = args.num_spec_tokens
+        if k is None:  # an MTP fixture runs with what it was trained for (multi-module: S)
+            k = (_fixture_spec_tokens(model) if args.spec_method == "mtp" else None) or 3
+        spec = {"method": args.spec_method, "num_speculative_tokens": k}
         if draft:
             spec["model"] = draft
     kv = _json_arg(args.kv_transfer_config)
@@ -407,10 +428,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument(
-        "--spec-method", default="none", choices=["none", "draft_model", "eagle", "eagle3", "ngram"]
+        "--spec-method",
+        default="none",
+        choices=["none", "draft_model", "eagle", "eagle3", "mtp", "ngram"],
     )
-    ap.add_argument("--draft", help="drafter dir (draft model or EAGLE head), or a fixture name")
-    ap.add_argument("--num-spec-tokens", type=int, default=3)
+    ap.add_argument(
+        "--draft",
+        help="drafter dir (draft model or EAGLE head), or a fixture name; with mtp: the "
+        "target carrying the MTP layers (e.g. glm-mtp), which then is the model",
+    )
+    ap.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=None,
+        help="default 3; an MTP fixture's own (fixture_meta.json: 2 for glm-mtp2)",
+    )
     ap.add_argument(
         "--speculative-config", help="JSON; overrides --spec-method/--draft/--num-spec-tokens"
     )

@@ -22,6 +22,9 @@ DRAFTERS = {
     "small": "small-draft (draft_model)",
     "eagle": "eagle (eagle)",
     "eagle3": "eagle3 (eagle3)",
+    "glm-mtp": "glm-mtp (mtp, GLM-4-MoE)",
+    "glm-mtp2": "glm-mtp2 (mtp, 2 modules)",
+    "dsv3-mla-mtp": "dsv3-mla-mtp (mtp, DeepSeek-V3 MLA)",
 }
 CONNECTORS = {
     "none": "none",
