@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_draft_offload.bench.accept.check import AcceptCheckResult, Comparison
+from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Comparison
 from vllm_draft_offload.bench.options import command_parser
 
 Results = dict[tuple[str, str], AcceptCheckResult]  # (drafter, connector) -> result
