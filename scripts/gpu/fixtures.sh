@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the gpu-preset fixtures on the device (the builder itself switches cuDNN's SDPA
 # off: its backward fails under torch 2.14 there with CUDNN_STATUS_BAD_PARAM).
-#   scripts/gpu/fixtures.sh OUTDIR
+#   scripts/gpu/fixtures.sh OUTDIR [--only NAMES]
+# Default: all of them. `--only target` builds the Llama family alone (what the
+# benchmarks use); `--only glm-mtp,glm-mtp2,dsv3-mla-mtp` the MTP fixtures.
 set -euo pipefail
-python3 -m vllm_draft_offload.bench fixtures --out "$1" --preset gpu --seed 0
+python3 -m vllm_draft_offload.bench fixtures --out "$1" --preset gpu --seed 0 "${@:2}"
