@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from vllm_draft_offload.bench import cli
-from vllm_draft_offload.bench.fixtures.build import META_FILE, build_fixtures
+from vllm_draft_offload.bench.fixtures.build import META_FILE, build_fixtures, resolve_preset
 from vllm_draft_offload.bench.fixtures.moe_models import MoeLM, MoeShape
 from vllm_draft_offload.bench.fixtures.mtp_build import MTP_FIXTURES, MTP_PRESETS
 
@@ -104,13 +104,29 @@ def test_presets_route_densely_and_keep_the_flash_mla_geometry() -> None:
         replace(MTP_PRESETS["tiny"].dsv3, kv_lora_rank=256)
 
 
-def test_same_seed_same_weights(mtp_dir: Path, tmp_path: Path) -> None:
+def test_same_seed_same_weights_and_only_keeps_the_index(mtp_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
+    # an earlier build of the same preset and seed left its entries in the index
+    earlier = {"preset": resolve_preset("tiny", MAX_STEPS).to_dict(), "seed": 0}
+    index_file = tmp_path / "fixtures.json"
+    index_file.write_text(json.dumps(earlier | {"fixtures": {"target": "/x/target"}}))
     build_fixtures(tmp_path, 0, "tiny", MAX_STEPS, log=print, only=["dsv3-mla-mtp"])
     ref = load_file(mtp_dir / "dsv3-mla-mtp" / "model.safetensors")
     again = load_file(tmp_path / "dsv3-mla-mtp" / "model.safetensors")
     assert ref.keys() == again.keys() and all(torch.equal(ref[k], again[k]) for k in ref)
+    index = json.loads(index_file.read_text())
+    assert index["fixtures"] == {
+        "target": "/x/target",
+        "dsv3-mla-mtp": str(tmp_path / "dsv3-mla-mtp"),
+    }
+
+
+def test_only_names_unknown_fixtures(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["fixtures", "--out", "/nonexistent", "--only", "glm-mtp,glm-mtp3"])
+    err = capsys.readouterr().err
+    assert "--only" in err and "glm-mtp3" in err and "dsv3-mla-mtp" in err
 
 
 # ------------------------------------------------------------------ against transformers
