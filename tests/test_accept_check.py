@@ -262,6 +262,21 @@ def test_divergent_plan_refuses_what_it_cannot_run(tmp_path: Path) -> None:
         )  # fmt: skip
 
 
+def test_prefix_cache_hit_plan_reruns_the_prompts_without_a_reset(tmp_path: Path) -> None:
+    d = _mtp_fixture(tmp_path, "fx", 1, 3)
+    cfg = build_config(
+        parse_args(["--model", str(d), "--spec-method", "mtp", "--prefix-cache-hit"])
+    )
+    fresh, cached = cfg.phases
+    assert (fresh.name, cached.name, cached.reference) == ("fresh", "cached", "fresh")
+    assert not cached.reset_before and cached.prompts == fresh.prompts == "base"
+    with pytest.raises(SystemExit, match="choose one of"):
+        build_config(
+            parse_args(["--model", str(d), "--spec-method", "mtp", "--prefix-cache-hit",
+                        "--divergent-successors"])
+        )  # fmt: skip
+
+
 def test_diverged_prompts_differ_in_one_successor_only(tmp_path: Path) -> None:
     from vllm_draft_offload.bench.accept.divergent import diverge, successor_positions
     from vllm_draft_offload.bench.accept.engine import make_prompts, phase_prompts

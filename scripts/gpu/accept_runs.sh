@@ -2,7 +2,8 @@
 # Acceptance-parity runs on the device.
 #   [JOBS=N] scripts/gpu/accept_runs.sh FIXTURES OUTDIR NAME:METHOD:DRAFT:CONNECTOR ...
 # CONNECTOR is ours | native | lmcache | none | corrupt (the KV-sensitivity probe) |
-# diverge (ours, with the divergent-successor plan: EAGLE/MTP drafters).
+# diverge (ours, with the divergent-successor plan: EAGLE/MTP drafters) |
+# hit (no connector: the prompts again from the GPU prefix cache, vs fresh).
 # METHOD mtp: DRAFT is the MTP fixture (it is the model); k is the fixture's own.
 # JOBS>1 runs that many engines side by side on one GPU.  Each then gets a fixed
 # KV-cache size (kv_cache_memory_bytes), because vLLM's memory profiling fails when
@@ -31,6 +32,7 @@ one_run() {
   case "$connector" in
     corrupt) extra=(--corrupt-draft-kv) ;;
     diverge) extra=(--kv-transfer-config "${KV[ours]}" --divergent-successors) ;;
+    hit) extra=(--prefix-cache-hit) ;;
     *) extra=(--kv-transfer-config "${KV[$connector]}") ;;
   esac
   start=$(date +%s)

@@ -16,6 +16,11 @@ Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
   diverge_jJ reset, as fresh_jJ without the salt: restored up to boundary + J - S
              tokens; outputs must equal fresh_jJ's, acceptance ratio ~ 1
 
+``--prefix-cache-hit`` plan (are the models deterministic under a GPU prefix-cache hit?):
+  fresh      base prompts
+  cached     the same prompts again, no reset (the GPU prefix cache serves all but
+             the last block); outputs must equal ``fresh``'s
+
 ``--corrupt-draft-kv`` plan (KV-sensitivity check, ``probe_connector.py``):
   fresh             base prompts
   extended          base + continuations, prefix from the GPU prefix cache
@@ -42,18 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from vllm_draft_offload.bench import PACKAGE_PARENT
-from vllm_draft_offload.bench.accept.divergent import (
-    divergence_boundary,
-    draft_successors,
-    expected_hit,
-    successor_positions,
-)
+from vllm_draft_offload.bench.accept.divergent import divergence_boundary, draft_successors
+from vllm_draft_offload.bench.accept.plans import plan_divergent, plan_phases
 from vllm_draft_offload.bench.accept.schema import (
     AcceptCheckResult,
     Comparison,
     Environment,
     PhaseResult,
-    PhaseSpec,
     RunConfig,
     Summary,
 )
@@ -78,48 +78,6 @@ ENGINE_MODULE = "vllm_draft_offload.bench.accept.engine"
 SENSITIVITY_MIN_DROP = 0.30  # corrupted draft KV must cost >= 30% of the acceptance length
 
 # ------------------------------------------------------------------ pure functions
-
-
-def plan_divergent(boundary: int, successors: int) -> list[PhaseSpec]:
-    """fresh_jJ (salted references), seed (stores the base prompts), diverge_jJ."""
-    positions = successor_positions(successors)
-    fresh = [
-        PhaseSpec(name=f"fresh_j{j}", prompts="base", diverge_at=j, cache_salt=f"fresh-j{j}")
-        for j in positions
-    ]
-    seed = PhaseSpec(name="seed", prompts="base", reset_before=True)
-    diverged = [
-        PhaseSpec(
-            name=f"diverge_j{j}",
-            prompts="base",
-            reset_before=True,
-            diverge_at=j,
-            reference=f"fresh_j{j}",
-            expected_cached_tokens=expected_hit(boundary, j, successors),
-        )
-        for j in positions
-    ]
-    return [*fresh, seed, *diverged]
-
-
-def plan_phases(corrupt_draft_kv: bool) -> list[PhaseSpec]:
-    if corrupt_draft_kv:
-        return [
-            PhaseSpec(name="fresh", prompts="base"),
-            PhaseSpec(name="extended", prompts="extended"),
-            PhaseSpec(name="refill", prompts="base", reset_before=True, reference="fresh"),
-            PhaseSpec(
-                name="extended_corrupt",
-                prompts="extended",
-                corrupt_draft_kv=True,
-                reference="extended",
-            ),
-        ]
-    return [
-        PhaseSpec(name="fresh", prompts="base"),
-        PhaseSpec(name="restored", prompts="base", reset_before=True, reference="fresh"),
-        PhaseSpec(name="extended", prompts="extended", reset_before=True),
-    ]
 
 
 def acceptance_length(num_drafts: float, num_accepted: float) -> float | None:
@@ -355,11 +313,15 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             "--corrupt-draft-kv uses its own probe connector; drop --kv-transfer-config"
         )
     prompt_tokens = args.prompt_tokens or _default_prompt_tokens(model)
-    phases = plan_phases(args.corrupt_draft_kv)
+    if sum([args.corrupt_draft_kv, args.divergent_successors, args.prefix_cache_hit]) > 1:
+        raise SystemExit(
+            "choose one of --corrupt-draft-kv, --divergent-successors, --prefix-cache-hit"
+        )
+    phases = plan_phases(args.corrupt_draft_kv, args.prefix_cache_hit)
     boundary = None
     if args.divergent_successors:
-        if args.corrupt_draft_kv or spec is None:
-            raise SystemExit("--divergent-successors needs a drafter and no --corrupt-draft-kv")
+        if spec is None:
+            raise SystemExit("--divergent-successors needs a drafter (--spec-method)")
         successors = draft_successors(spec["method"], model, spec["num_speculative_tokens"])
         try:
             boundary = divergence_boundary(prompt_tokens, args.chunk_size, successors)
@@ -425,6 +387,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="successor-rule plan: prompts that differ from stored ones at successor "
         "position 0, 1 and S-1 after a chunk boundary (EAGLE/MTP drafters; one prompt "
         "per group)",
+    )
+    ap.add_argument(
+        "--prefix-cache-hit",
+        action="store_true",
+        help="determinism plan: the prompts again with the GPU prefix cache kept; "
+        "outputs must equal the fresh ones",
     )
     ap.add_argument(
         "--chunk-size",

@@ -101,7 +101,14 @@ def acceptance_cell(result: AcceptCheckResult | None) -> str:
         return MISSING
     if result.error:
         return "crash: " + crash_cause(result.error)
-    c = comparison(result, "restored")
+    cases = [c for c in result.summary.comparisons if c.expected_cached_tokens is not None]
+    if cases:  # the divergent-successor plan: one ratio per successor position
+        ratios = " / ".join(f"{c.phase.removeprefix('diverge_')} {_f(c.ratio)}" for c in cases)
+        match = f"{sum(c.outputs_match for c in cases)}/{sum(c.outputs_compared for c in cases)}"
+        hits = "as expected" if result.summary.hits_as_expected else "NOT as expected"
+        return f"{ratios}, {match}, hits {hits}"
+    # the default plan (a connector's restore), or the prefix-cache-hit plan
+    c = comparison(result, "restored") or comparison(result, "cached")
     if c is None:
         return MISSING
     return (
