@@ -1,6 +1,7 @@
 """Test-wide environment: vLLM runs on the CPU platform, with no model hub."""
 
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,3 +85,40 @@ def vllm_prometheus(model_dirs: tuple[Path, Path]) -> Iterator[object]:
         yield PrometheusStatLogger(vllm_config, engine_indexes=[0])
     finally:
         unregister_vllm_metrics()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_dist() -> Iterator[None]:
+    """A 1-rank gloo group, as vLLM's layers need one; torn down for later tests."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    if torch.distributed.is_initialized():  # someone else's group: use it, leave it
+        yield
+        return
+    with set_current_vllm_config(VllmConfig()):  # vLLM's group setup reads a config
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()

@@ -64,6 +64,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -172,6 +173,12 @@ class SimSetup:
     # groups the layers (one group per attention type, draft and target mixed) and
     # frees sliding-window blocks that leave the window. `draft_layout` is ignored.
     sliding_window: int | None = None
+    # DeepSeek MLA: every layer, draft included, one latent tensor per layer
+    # (kv_lora_rank 512 + rope 64 per token, no separate K/V), all in one group.
+    mla: bool = False
+
+
+MLA_SPEC = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
 
 
 def _draft_spec(setup: SimSetup) -> FullAttentionSpec:
@@ -233,7 +240,12 @@ def build_kv_cache_config(vllm_config: VllmConfig, setup: SimSetup) -> KVCacheCo
         else f"model.layers.{len(TARGET_LAYERS)}.self_attn.attn"
     )
     draft = _draft_spec(setup)
-    if setup.draft_layout == "shared_group":
+    if setup.mla:
+        # vLLM's MTP layer of an MLA model has the target's spec: one group for all.
+        groups = [
+            KVCacheGroupSpec([*TARGET_LAYERS, draft_name], MLA_SPEC, is_eagle_group=setup.eagle)
+        ]
+    elif setup.draft_layout == "shared_group":
         from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
         specs = {name: target for name in TARGET_LAYERS} | {draft_name: draft}

@@ -16,8 +16,6 @@ import torch
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench.accept.check import (
     SENSITIVITY_MIN_DROP,
-    AcceptCheckResult,
-    PhaseResult,
     acceptance_length,
     build_config,
     first_mismatch,
@@ -26,6 +24,7 @@ from vllm_draft_offload.bench.accept.check import (
     ratio,
     summarize,
 )
+from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, PhaseResult
 
 EXAMPLE = Path(__file__).parent / "data" / "accept_check_example.json"
 
@@ -185,6 +184,137 @@ def test_fixtures_dir_names_the_target_and_drafters(tmp_path: Path) -> None:
                     "--draft", "/m/eagle3"])
     )  # fmt: skip
     assert cfg.model == "/m/t" and cfg.speculative_config["model"] == "/m/eagle3"
+
+
+def test_mtp_fixture_is_the_model_and_brings_its_speculative_tokens(tmp_path: Path) -> None:
+    """An MTP drafter lives in its target's checkpoint: --draft names the target, the
+    speculative config names no drafter, and k defaults to what the fixture was
+    trained for (multi-module MTP: one token per module)."""
+    fx = tmp_path
+    (fx / "glm-mtp2").mkdir()
+    meta = {"preset": "tiny", "num_speculative_tokens": 2}
+    (fx / "glm-mtp2" / "fixture_meta.json").write_text(json.dumps(meta))
+    args = ["--fixtures", str(fx), "--spec-method", "mtp", "--draft", "glm-mtp2"]
+    cfg = build_config(parse_args(args))
+    assert cfg.model == f"{fx}/glm-mtp2" and cfg.prompt_tokens == 256
+    assert cfg.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    cfg = build_config(parse_args([*args, "--num-spec-tokens", "1"]))  # given: wins
+    assert cfg.speculative_config["num_speculative_tokens"] == 1
+    cfg = build_config(parse_args(["--model", "/m/dsv3", "--spec-method", "mtp"]))
+    assert cfg.model == "/m/dsv3" and cfg.speculative_config["num_speculative_tokens"] == 3
+    with pytest.raises(SystemExit, match="mtp needs --draft"):
+        build_config(parse_args(["--fixtures", str(fx), "--spec-method", "mtp"]))
+
+
+def _mtp_fixture(root: Path, name: str, modules: int, k: int) -> Path:
+    d = root / name
+    d.mkdir()
+    meta = {"preset": "tiny", "num_speculative_tokens": k, "corpus": {"vocab_size": 256}}
+    (d / "fixture_meta.json").write_text(json.dumps(meta))
+    (d / "config.json").write_text(json.dumps({"num_nextn_predict_layers": modules}))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("method", "modules", "k", "positions"),
+    [("mtp", 2, 2, [0, 1]), ("mtp", 3, 3, [0, 1, 2]), ("mtp", 1, 3, [0]), ("eagle3", 1, 3, [0])],
+)
+def test_divergent_plan_expects_the_hit_to_end_at_boundary_plus_j_minus_s(
+    tmp_path: Path, method: str, modules: int, k: int, positions: list[int]
+) -> None:
+    """Multi-module MTP depends on S = k tokens after a position, single-module MTP and
+    EAGLE on 1: each diverged prompt should be restored up to boundary + j - S."""
+    d = _mtp_fixture(tmp_path, "fx", modules, k)
+    draft = ["--draft", str(d)] if method != "mtp" else ["--model", str(d)]
+    args = ["--spec-method", method, *draft, "--divergent-successors", "--chunk-size", "32"]
+    if method != "mtp":
+        args += ["--model", str(d)]
+    cfg = build_config(parse_args(args))
+    s = k if modules > 1 else 1
+    boundary = (256 - 32 - s) // 32 * 32  # tiny prompts: 256 tokens, 32 of tail
+    assert cfg.divergence_boundary == boundary == 192
+    names = [p.name for p in cfg.phases]
+    assert names == [f"fresh_j{j}" for j in positions] + ["seed"] + [
+        f"diverge_j{j}" for j in positions
+    ]
+    fresh = {p.name: p for p in cfg.phases if p.name.startswith("fresh")}
+    assert len({p.cache_salt for p in fresh.values()}) == len(positions)  # reused by nobody
+    for p in cfg.phases:
+        if p.name.startswith("diverge"):
+            j = int(p.name.removeprefix("diverge_j"))
+            assert p.diverge_at == j and p.reference == f"fresh_j{j}" and p.reset_before
+            assert p.expected_cached_tokens == boundary + j - s and p.cache_salt is None
+    assert cfg.phases[len(positions)].reset_before  # seed: nothing cached from the refs
+    assert cfg.prompts_per_group == 1  # no prompt hits another's prefix in the GPU cache
+
+
+def test_divergent_plan_refuses_what_it_cannot_run(tmp_path: Path) -> None:
+    d = _mtp_fixture(tmp_path, "fx", 2, 2)
+    with pytest.raises(SystemExit, match="EAGLE-family or MTP"):
+        build_config(
+            parse_args(["--model", str(d), "--spec-method", "draft_model", "--draft", str(d),
+                        "--divergent-successors"])
+        )  # fmt: skip
+    with pytest.raises(SystemExit, match="no whole chunk"):
+        build_config(
+            parse_args(["--model", str(d), "--spec-method", "mtp", "--divergent-successors",
+                        "--prompt-tokens", "256", "--chunk-size", "256"])
+        )  # fmt: skip
+
+
+def test_prefix_cache_hit_plan_reruns_the_prompts_without_a_reset(tmp_path: Path) -> None:
+    d = _mtp_fixture(tmp_path, "fx", 1, 3)
+    cfg = build_config(
+        parse_args(["--model", str(d), "--spec-method", "mtp", "--prefix-cache-hit"])
+    )
+    fresh, cached = cfg.phases
+    assert (fresh.name, cached.name, cached.reference) == ("fresh", "cached", "fresh")
+    assert not cached.reset_before and cached.prompts == fresh.prompts == "base"
+    with pytest.raises(SystemExit, match="choose one of"):
+        build_config(
+            parse_args(["--model", str(d), "--spec-method", "mtp", "--prefix-cache-hit",
+                        "--divergent-successors"])
+        )  # fmt: skip
+
+
+def test_diverged_prompts_differ_in_one_successor_only(tmp_path: Path) -> None:
+    from vllm_draft_offload.bench.accept.divergent import diverge, successor_positions
+    from vllm_draft_offload.bench.accept.engine import make_prompts, phase_prompts
+
+    assert [successor_positions(s) for s in (1, 2, 3, 4)] == [[0], [0, 1], [0, 1, 2], [0, 1, 3]]
+    d = _mtp_fixture(tmp_path, "fx", 3, 3)
+    args = ["--model", str(d), "--spec-method", "mtp", "--divergent-successors"]
+    cfg = build_config(parse_args([*args, "--chunk-size", "32", "--num-prompts", "2"]))
+    prompts = make_prompts(cfg)
+    boundary = cfg.divergence_boundary
+    for spec in cfg.phases:
+        lists = phase_prompts(spec, prompts, cfg)
+        for base, got in zip(prompts.base, lists, strict=True):
+            differ = [i for i, (a, b) in enumerate(zip(base, got, strict=True)) if a != b]
+            assert differ == ([] if spec.diverge_at is None else [boundary + spec.diverge_at])
+            assert all(4 <= got[i] < 256 for i in differ)  # another word of the vocabulary
+    assert diverge([4, 255], 0, 1, 256) == [4, 4]  # wraps within the word ids
+
+
+def test_summary_says_whether_every_hit_ended_where_expected() -> None:
+    def phase(name: str, cached: list[int], expected: int | None = None, ref=None):
+        spec = {"name": name, "prompts": "base", "reference": ref}
+        spec |= {"expected_cached_tokens": expected} if expected is not None else {}
+        reqs = [
+            {"index": i, "group": i, "prompt_len": 256, "num_cached_tokens": c,
+             "output_token_ids": [1, 2]}
+            for i, c in enumerate(cached)
+        ]  # fmt: skip
+        return PhaseResult.model_validate({"spec": spec, "wall_s": 1.0, "requests": reqs})
+
+    ok = summarize([phase("fresh_j0", [0, 0]), phase("diverge_j0", [189, 189], 189, "fresh_j0")])
+    assert ok.hits_as_expected and ok.comparisons[0].cached_as_expected == 2
+    bad = summarize([phase("fresh_j0", [0, 0]), phase("diverge_j0", [189, 192], 189, "fresh_j0")])
+    assert bad.hits_as_expected is False and bad.comparisons[0].cached_as_expected == 1
+    assert (
+        summarize([phase("fresh", [0]), phase("restored", [0], None, "fresh")]).hits_as_expected
+        is None
+    )
 
 
 # ------------------------------------------------------------------ probe connector

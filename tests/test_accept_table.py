@@ -138,3 +138,24 @@ def test_no_runs(tmp_path: Path) -> None:
     assert cli.main(["table", str(tmp_path)]) == 1
     assert sensitivity_row("self", None)[1:] == [MISSING] * 5
     assert acceptance_cell(None) == MISSING
+
+
+def test_divergent_and_prefix_cache_hit_runs_get_their_own_cells(h200: Results) -> None:
+    from vllm_draft_offload.bench.accept.check import summarize
+
+    ours = h200["eagle", "ours"].model_copy(deep=True)
+    fresh, restored = ours.phases[0], ours.phases[1]
+    # the same phases, renamed as the prefix-cache-hit plan names them
+    restored.spec.name = "cached"
+    ours.summary = summarize(ours.phases)
+    assert acceptance_cell(ours).startswith("1.00 (4.00 / 4.00), 4/4")
+    # ... and as one case of the divergent plan, its hit where (and not where) expected
+    restored.spec.name, fresh.spec.name, restored.spec.reference = (
+        "diverge_j0",
+        "fresh_j0",
+        "fresh_j0",
+    )
+    for expected, verdict in ((4094, "as expected"), (4095, "NOT as expected")):
+        restored.spec.expected_cached_tokens = expected
+        ours.summary = summarize(ours.phases)
+        assert acceptance_cell(ours) == f"j0 1.00, 4/4, hits {verdict}"

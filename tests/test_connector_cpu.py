@@ -51,6 +51,34 @@ def test_round_trip_is_bit_exact_for_every_layer(
     assert eng.outputs["restored"] == eng.outputs["fresh"]
 
 
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_mla_latent_round_trip_is_bit_exact(model_dirs: tuple[Path, Path], method: str) -> None:
+    """DeepSeek MLA geometry (one [blocks, 1, block, 512 + 64] latent tensor per layer,
+    the MTP layer beside the target's in one group): store -> overwrite -> load
+    gives back every byte of latent and rope part, target and draft alike."""
+    eng = engine(model_dirs, mla=True, eagle=True, eagle_method=method)
+    layout = eng.worker.worker.layout
+    assert [g.is_eagle_group for g in layout.groups] == [True]
+    assert [s.is_draft for s in layout.layers] == [False, False, True]
+    for name, tensor in eng.kv_caches.items():
+        assert tuple(tensor.shape[1:]) == (1, 16, 576), name  # no separate K and V
+    page = 16 * 576 * 2  # block_size x (kv_lora_rank + rope dim) x bf16
+    assert {s.page_bytes for s in layout.layers} == {page}
+    assert layout.unit_bytes == 3 * (CHUNK // 16) * page
+    tokens = prompt(31, 3 * CHUNK + 7)
+    eng.add_request("fresh", tokens, max_tokens=4)
+    eng.run_until_done()
+    assert len(index_of(eng)) == 3
+
+    eng.evict_gpu_kv()  # every block, latent and rope part, is overwritten
+    eng.add_request("restored", tokens, max_tokens=4)
+    eng.run_prefill("restored")
+    assert eng.external_hits["restored"] == 3 * CHUNK
+    assert eng.mismatched_positions("restored") == []
+    eng.run_until_done()
+    assert eng.outputs["restored"] == eng.outputs["fresh"]
+
+
 @pytest.mark.parametrize("copy_path", ["kernel", "auto", "memcpy"])
 def test_copy_path_setting_round_trips_and_stores_are_timed(
     model_dirs: tuple[Path, Path], copy_path: str, monkeypatch: pytest.MonkeyPatch

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,12 @@ import pytest
 import torch
 
 from vllm_draft_offload.bench import cli
-from vllm_draft_offload.bench.fixtures.build import FIXTURES, META_FILE, build_fixtures
+from vllm_draft_offload.bench.fixtures.build import (
+    ALL_FIXTURES,
+    FIXTURES,
+    META_FILE,
+    build_fixtures,
+)
 from vllm_draft_offload.bench.fixtures.data import (
     BOS_ID,
     FIRST_WORD_ID,
@@ -114,7 +117,7 @@ def test_geometry_and_aux_layer_guards() -> None:
 
 def test_all_fixture_dirs_with_meta(fixtures_dir: Path) -> None:
     index = json.loads((fixtures_dir / "fixtures.json").read_text())
-    assert set(index["fixtures"]) == set(FIXTURES)
+    assert set(index["fixtures"]) == set(ALL_FIXTURES)  # the MTP ones: test_mtp_fixtures.py
     for name in FIXTURES:
         meta = _meta(fixtures_dir / name)
         assert meta["fixture"] == name and meta["preset"] == "tiny" and meta["seed"] == 0
@@ -157,8 +160,8 @@ def test_self_draft_is_the_target_and_small_draft_differs_in_kv_geometry(
 def test_same_seed_same_weights_other_seed_differs(fixtures_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    build_fixtures(tmp_path / "a", seed=0, preset_name="tiny", max_steps=MAX_STEPS, log=print)
-    build_fixtures(tmp_path / "b", seed=1, preset_name="tiny", max_steps=MAX_STEPS, log=print)
+    for out, seed in ((tmp_path / "a", 0), (tmp_path / "b", 1)):
+        build_fixtures(out, seed, "tiny", MAX_STEPS, log=print, only=FIXTURES)
     for name in ("target", "small-draft", "eagle", "eagle3"):
         ref = load_file(fixtures_dir / name / "model.safetensors")
         same = load_file(tmp_path / "a" / name / "model.safetensors")
@@ -168,42 +171,6 @@ def test_same_seed_same_weights_other_seed_differs(fixtures_dir: Path, tmp_path:
 
 
 # ------------------------------------------------------------------ EAGLE heads vs vLLM
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def vllm_dist() -> Iterator[None]:
-    """A 1-rank gloo group, as vLLM's layers need one; torn down for later tests."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    if torch.distributed.is_initialized():  # someone else's group: use it, leave it
-        yield
-        return
-    with set_current_vllm_config(VllmConfig()):  # vLLM's group setup reads a config
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
 def _vllm_head(fixtures_dir: Path, method: str) -> tuple[torch.nn.Module, object]:
@@ -298,6 +265,8 @@ def test_sliding_window_layout_shapes_and_masks() -> None:
 
     with pytest.raises(SystemExit):
         parse_args(["--out", "x", "--sliding-window", "1"])
+    with pytest.raises(SystemExit):  # the MTP fixtures have no sliding-window form
+        parse_args(["--out", "x", "--sliding-window", "8", "--only", "target,glm-mtp"])
     gemma = SlidingWindowLayout(512)
     shape = LlamaShape(4, 64, 2, 2, 32, 128)
     assert gemma.target_shape(shape).num_layers == 6
@@ -341,3 +310,20 @@ def test_gemma3_shaped_fixture_is_read_by_vllm_as_sliding_windows(
         specs = [layer.self_attn.attn.get_kv_cache_spec(cfg) for layer in model.model.layers]
     assert [type(s) for s in specs] == [SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec]
     assert specs[0].sliding_window == WINDOW
+
+
+def test_index_keeps_builds_of_one_layout_only(tmp_path: Path) -> None:
+    """`--only` adds to fixtures.json when preset, seed and sliding-window layout are the
+    ones already there; a different layout starts a new index (its target is another
+    model)."""
+    from vllm_draft_offload.bench.fixtures.meta import INDEX_FILE, update_index
+
+    swa = {"sliding_window": {"window": 16, "full_every": 3}}
+    update_index(tmp_path, {"name": "tiny"}, 0, {"target": "t"}, swa)
+    update_index(tmp_path, {"name": "tiny"}, 0, {"eagle": "e"}, swa)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert index["fixtures"] == {"target": "t", "eagle": "e"}
+    assert index["sliding_window"] == swa["sliding_window"]
+    update_index(tmp_path, {"name": "tiny"}, 0, {"glm-mtp": "g"})
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert index["fixtures"] == {"glm-mtp": "g"} and "sliding_window" not in index

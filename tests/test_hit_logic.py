@@ -90,7 +90,7 @@ def test_successor_mismatch_at_every_position(s: int, j: int, end: int) -> None:
 
 
 # (S, j, expected end) with the mismatch in chunk 0: end = C + j - S = 4 + j - S.
-MISMATCH_IN_FIRST_CHUNK = [(1, 0, 3), (2, 0, 2), (2, 1, 3), (3, 0, 1), (3, 2, 3)]
+MISMATCH_IN_FIRST_CHUNK = [(1, 0, 3), (2, 0, 2), (2, 1, 3), (3, 0, 1), (3, 1, 2), (3, 2, 3)]
 
 
 @pytest.mark.parametrize(("s", "j", "end"), MISMATCH_IN_FIRST_CHUNK)
@@ -132,6 +132,43 @@ def test_partial_final_chunk_and_prompt_shorter_than_s(
 ) -> None:
     # Units were stored by a longer request whose successors continue the sequence.
     stored = {chunk: [succ(chunk, s)] for chunk in range(stored_chunks)}
+    assert run(n, stored, s) == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "s", "last", "expected"),
+    [
+        # Multi-module MTP, the last chunk's unit holds `last` (None: its true successors)
+        # and only n - chunk_end of its S successors are known to the request:
+        # j = common prefix of the known ones, end = chunk_end + j - S.
+        # S=2, 10 tokens: chunk 1's two successors known and equal; chunk 2 partial.
+        (10, 2, None, (0, 8, [0, 1])),
+        # S=2, 9 tokens: one successor of chunk 1 known and equal (j=1): 8 + 1 - 2.
+        (9, 2, None, (0, 7, [0, 1])),
+        # ... and different (j=0): 8 + 0 - 2.
+        (9, 2, (7, 109), (0, 6, [0, 1])),
+        # S=2, 5 tokens (prompt shorter than S past chunk 0): j=1 -> 3, j=0 -> 2.
+        (5, 2, None, (0, 3, [0])),
+        (5, 2, (7, 105), (0, 2, [0])),
+        # S=3, 6 tokens: two of three known, equal (j=2) -> 3; second differs (j=1) -> 2.
+        (6, 3, None, (0, 3, [0])),
+        (6, 3, (104, 7, 106), (0, 2, [0])),
+        (6, 3, (7, 105, 106), (0, 1, [0])),
+        # S=3, 11 tokens: chunk 1's three known and equal; chunk 2 (8..12) partial.
+        (11, 3, None, (0, 8, [0, 1])),
+        # ... the last of them differs (j = S - 1 = 2): 8 + 2 - 3.
+        (11, 3, (108, 109, 7), (0, 7, [0, 1])),
+        # ... the first differs (j = 0): 8 - 3, inside chunk 1.
+        (11, 3, (7, 109, 110), (0, 5, [0, 1])),
+    ],
+)
+def test_multi_module_successor_windows_at_the_prompt_end(
+    n: int, s: int, last: tuple[int, ...] | None, expected: tuple[int, int, list[int]]
+) -> None:
+    chunks = len(expected[2])
+    stored = {chunk: [succ(chunk, s)] for chunk in range(chunks)}
+    if last is not None:
+        stored[chunks - 1] = [last]
     assert run(n, stored, s) == expected
 
 

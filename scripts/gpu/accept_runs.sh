@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Acceptance-parity runs on the device.
 #   [JOBS=N] scripts/gpu/accept_runs.sh FIXTURES OUTDIR NAME:METHOD:DRAFT:CONNECTOR ...
-# CONNECTOR is ours | native | lmcache | none | corrupt (the KV-sensitivity probe).
+# CONNECTOR is ours | native | lmcache | none | corrupt (the KV-sensitivity probe) |
+# diverge (ours, with the divergent-successor plan: EAGLE/MTP drafters) |
+# hit (no connector: the prompts again from the GPU prefix cache, vs fresh).
+# METHOD mtp: DRAFT is the MTP fixture (it is the model); k is the fixture's own.
 # JOBS>1 runs that many engines side by side on one GPU.  Each then gets a fixed
 # KV-cache size (kv_cache_memory_bytes), because vLLM's memory profiling fails when
 # another process allocates or frees GPU memory while it measures.  Acceptance
@@ -26,7 +29,12 @@ fi
 
 one_run() {
   local name=$1 method=$2 draft=$3 connector=$4 start extra rc
-  if [ "$connector" = corrupt ]; then extra=(--corrupt-draft-kv); else extra=(--kv-transfer-config "${KV[$connector]}"); fi
+  case "$connector" in
+    corrupt) extra=(--corrupt-draft-kv) ;;
+    diverge) extra=(--kv-transfer-config "${KV[ours]}" --divergent-successors) ;;
+    hit) extra=(--prefix-cache-hit) ;;
+    *) extra=(--kv-transfer-config "${KV[$connector]}") ;;
+  esac
   start=$(date +%s)
   python3 -m vllm_draft_offload.bench accept --fixtures "$F" --spec-method "$method" --draft "$draft" \
     "${extra[@]}" "${llm_kwargs[@]}" --enforce-eager --timeout "${ACCEPT_TIMEOUT:-300}" \

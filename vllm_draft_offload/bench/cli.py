@@ -27,7 +27,7 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("fixtures", "fixtures.build", "build the fixture models (a target and 4 drafters)"),
+    Command("fixtures", "fixtures.build", "build the fixture models (targets, drafters, MTP)"),
     Command("accept", "accept.check", "acceptance restored vs fresh, or the KV-sensitivity run"),
     Command("table", "accept.table", "the docs' acceptance tables from a directory of results"),
     Command("bench", "workloads.run", "workload benchmark: ours vs vLLM native vs LMCache"),

@@ -9,6 +9,18 @@ Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
             connector; outputs must equal ``fresh``, acceptance ratio restored/fresh ~ 1
   extended  reset again, base prompts + continuations (prefix from the connector)
 
+``--divergent-successors`` plan (EAGLE/MTP successor rule, ``divergent.py``):
+  fresh_jJ   per successor position J (0, 1, S-1): the base prompts with the token
+             at boundary + J replaced, under their own cache salt (reused by nobody)
+  seed       reset, the base prompts (they store their chunks)
+  diverge_jJ reset, as fresh_jJ without the salt: restored up to boundary + J - S
+             tokens; outputs must equal fresh_jJ's, acceptance ratio ~ 1
+
+``--prefix-cache-hit`` plan (are the models deterministic under a GPU prefix-cache hit?):
+  fresh      base prompts
+  cached     the same prompts again, no reset (the GPU prefix cache serves all but
+             the last block); outputs must equal ``fresh``'s
+
 ``--corrupt-draft-kv`` plan (KV-sensitivity check, ``probe_connector.py``):
   fresh             base prompts
   extended          base + continuations, prefix from the GPU prefix cache
@@ -32,11 +44,19 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, Field
+from typing import Any
 
 from vllm_draft_offload.bench import PACKAGE_PARENT
+from vllm_draft_offload.bench.accept.divergent import divergence_boundary, draft_successors
+from vllm_draft_offload.bench.accept.plans import plan_divergent, plan_phases
+from vllm_draft_offload.bench.accept.schema import (
+    AcceptCheckResult,
+    Comparison,
+    Environment,
+    PhaseResult,
+    RunConfig,
+    Summary,
+)
 from vllm_draft_offload.bench.options import command_parser
 
 EXAMPLES = """examples:
@@ -47,129 +67,17 @@ EXAMPLES = """examples:
   # KV sensitivity: zero the restored draft KV, acceptance must drop
   vllm-draft-offload accept --fixtures F --spec-method draft_model --draft small-draft \\
       --corrupt-draft-kv --enforce-eager --out sens.json
+  # an MTP fixture: the target carries its MTP layers (vLLM loads both from it)
+  vllm-draft-offload accept --fixtures F --spec-method mtp --draft glm-mtp --out mtp.json
   # any model dirs instead of fixtures
   vllm-draft-offload accept --model /models/target --spec-method eagle3 \\
       --draft /models/eagle3 --out res.json
 """
 # The engine side, run as ``python -m`` in its own process.
 ENGINE_MODULE = "vllm_draft_offload.bench.accept.engine"
-SCHEMA_VERSION = 1
 SENSITIVITY_MIN_DROP = 0.30  # corrupted draft KV must cost >= 30% of the acceptance length
 
-# ----------------------------------------------------------------------------- schema
-
-
-class PhaseSpec(BaseModel):
-    name: str
-    prompts: Literal["base", "extended"]
-    reset_before: bool = False  # llm.reset_prefix_cache() before the phase
-    corrupt_draft_kv: bool = False  # requests ask the probe connector to corrupt draft KV
-    reference: str | None = None  # phase whose outputs / acceptance this one is compared to
-
-
-class RequestResult(BaseModel):
-    index: int
-    group: int
-    prompt_len: int
-    num_cached_tokens: int | None
-    output_token_ids: list[int]
-    acceptance_length: float | None = None  # per-request: 1 + accepted / drafts
-    num_drafts: int | None = None
-    num_accepted: int | None = None
-    matches_reference: bool | None = None
-    first_mismatch: int | None = None
-
-
-class PhaseResult(BaseModel):
-    spec: PhaseSpec
-    wall_s: float
-    # deltas of vLLM counters over the phase, summed over labels except those named
-    counters: dict[str, float] = Field(default_factory=dict)
-    cached_tokens_by_source: dict[str, float] = Field(default_factory=dict)
-    accepted_per_position: list[float] = Field(default_factory=list)
-    acceptance_length: float | None = None  # phase-level, from the counters
-    requests: list[RequestResult] = Field(default_factory=list)
-
-
-class Comparison(BaseModel):
-    phase: str
-    reference: str
-    acceptance_length: float | None
-    reference_acceptance_length: float | None
-    ratio: float | None  # phase / reference acceptance length
-    outputs_match: int
-    outputs_compared: int
-    mean_cached_tokens: float | None
-
-
-class Summary(BaseModel):
-    comparisons: list[Comparison] = Field(default_factory=list)
-    acceptance_ratio: float | None = None  # restored / fresh (default plan)
-    corruption_ratio: float | None = None  # extended_corrupt / extended (corrupt plan)
-    corruption_drop: float | None = None  # 1 - corruption_ratio
-    sensitivity_pass: bool | None = None  # corruption_drop >= SENSITIVITY_MIN_DROP
-    all_outputs_match: bool | None = None
-
-
-class Environment(BaseModel):
-    gpu: str
-    python: str
-    platform: str
-    versions: dict[str, str | None]
-
-
-class AcceptCheckResult(BaseModel):
-    schema_version: int = SCHEMA_VERSION
-    created: str
-    env: Environment
-    config: dict[str, Any]  # the resolved RunConfig + LLM kwargs, as run
-    prompts: dict[str, Any] = Field(default_factory=dict)
-    init_s: float | None = None
-    phases: list[PhaseResult] = Field(default_factory=list)
-    probe_report: dict[str, Any] | None = None
-    summary: Summary = Field(default_factory=Summary)
-    error: str | None = None  # engine crash / timeout, recorded instead of lost
-
-
-class RunConfig(BaseModel):
-    model: str
-    speculative_config: dict[str, Any] | None = None
-    kv_transfer_config: dict[str, Any] | None = None
-    corrupt_draft_kv: bool = False
-    corrupt_mode: Literal["zero", "noise"] = "zero"
-    prompt_tokens: int = 384
-    num_prompts: int = 4
-    prompts_per_group: int = 2
-    max_tokens: int = 48
-    prompt_seed: int = 0
-    dtype: str = "auto"
-    block_size: int | None = None
-    enforce_eager: bool = False
-    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
-    phases: list[PhaseSpec] = Field(default_factory=list)
-
-
 # ------------------------------------------------------------------ pure functions
-
-
-def plan_phases(corrupt_draft_kv: bool) -> list[PhaseSpec]:
-    if corrupt_draft_kv:
-        return [
-            PhaseSpec(name="fresh", prompts="base"),
-            PhaseSpec(name="extended", prompts="extended"),
-            PhaseSpec(name="refill", prompts="base", reset_before=True, reference="fresh"),
-            PhaseSpec(
-                name="extended_corrupt",
-                prompts="extended",
-                corrupt_draft_kv=True,
-                reference="extended",
-            ),
-        ]
-    return [
-        PhaseSpec(name="fresh", prompts="base"),
-        PhaseSpec(name="restored", prompts="base", reset_before=True, reference="fresh"),
-        PhaseSpec(name="extended", prompts="extended", reset_before=True),
-    ]
 
 
 def acceptance_length(num_drafts: float, num_accepted: float) -> float | None:
@@ -203,7 +111,10 @@ def mark_matches(phase: PhaseResult, reference: PhaseResult) -> None:
 def compare(phase: PhaseResult, reference: PhaseResult) -> Comparison:
     compared = [r for r in phase.requests if r.matches_reference is not None]
     cached = [r.num_cached_tokens for r in phase.requests if r.num_cached_tokens is not None]
+    expected = phase.spec.expected_cached_tokens
     return Comparison(
+        expected_cached_tokens=expected,
+        cached_as_expected=None if expected is None else sum(c == expected for c in cached),
         phase=phase.spec.name,
         reference=reference.spec.name,
         acceptance_length=phase.acceptance_length,
@@ -234,6 +145,9 @@ def summarize(phases: list[PhaseResult]) -> Summary:
         summary.sensitivity_pass = summary.corruption_drop >= SENSITIVITY_MIN_DROP
     if comps:
         summary.all_outputs_match = all(c.outputs_match == c.outputs_compared for c in comps)
+    hits = [(c, by_name[c.phase]) for c in comps if c.expected_cached_tokens is not None]
+    if hits:
+        summary.hits_as_expected = all(c.cached_as_expected == len(p.requests) for c, p in hits)
     return summary
 
 
@@ -354,24 +268,43 @@ def _default_prompt_tokens(model: str) -> int:
 
 def model_dirs(args: argparse.Namespace) -> tuple[str, str | None]:
     """(target, drafter) dirs: ``--model``/``--draft`` as given, or in ``--fixtures``
-    (where a ``--draft`` without a ``/`` names a fixture)."""
+    (where a ``--draft`` without a ``/`` names a fixture). An MTP drafter lives in its
+    target's checkpoint: with ``--spec-method mtp``, ``--draft`` names the target
+    (an MTP fixture) and the drafter dir is None (vLLM reads the target's)."""
     fixtures = Path(args.fixtures) if args.fixtures else None
-    model = args.model or (str(fixtures / "target") if fixtures else None)
-    if model is None:
-        raise SystemExit("give --model or --fixtures")
     draft = args.draft
     if draft and fixtures is not None and "/" not in draft:
         draft = str(fixtures / draft)
+    if args.spec_method == "mtp":
+        model = args.model or draft
+        if model is None:
+            raise SystemExit("--spec-method mtp needs --draft (an MTP fixture) or --model")
+        return model, None
+    model = args.model or (str(fixtures / "target") if fixtures else None)
+    if model is None:
+        raise SystemExit("give --model or --fixtures")
     return model, draft
+
+
+def _fixture_spec_tokens(model: str) -> int | None:
+    """The speculative tokens an MTP fixture was trained for (its meta), if any."""
+    meta = Path(model) / "fixture_meta.json"
+    if not meta.exists():
+        return None
+    value = json.loads(meta.read_text()).get("num_speculative_tokens")
+    return int(value) if value is not None else None
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
     model, draft = model_dirs(args)
     spec = _json_arg(args.speculative_config)
     if spec is None and args.spec_method != "none":
-        if not draft and args.spec_method != "ngram":
+        if not draft and args.spec_method not in ("ngram", "mtp"):
             raise SystemExit("--draft is required with --spec-method " + args.spec_method)
-        spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens}
+        k = args.num_spec_tokens
+        if k is None:  # an MTP fixture runs with what it was trained for (multi-module: S)
+            k = (_fixture_spec_tokens(model) if args.spec_method == "mtp" else None) or 3
+        spec = {"method": args.spec_method, "num_speculative_tokens": k}
         if draft:
             spec["model"] = draft
     kv = _json_arg(args.kv_transfer_config)
@@ -379,22 +312,40 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         raise SystemExit(
             "--corrupt-draft-kv uses its own probe connector; drop --kv-transfer-config"
         )
+    prompt_tokens = args.prompt_tokens or _default_prompt_tokens(model)
+    if sum([args.corrupt_draft_kv, args.divergent_successors, args.prefix_cache_hit]) > 1:
+        raise SystemExit(
+            "choose one of --corrupt-draft-kv, --divergent-successors, --prefix-cache-hit"
+        )
+    phases = plan_phases(args.corrupt_draft_kv, args.prefix_cache_hit)
+    boundary = None
+    if args.divergent_successors:
+        if spec is None:
+            raise SystemExit("--divergent-successors needs a drafter (--spec-method)")
+        successors = draft_successors(spec["method"], model, spec["num_speculative_tokens"])
+        try:
+            boundary = divergence_boundary(prompt_tokens, args.chunk_size, successors)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        phases = plan_divergent(boundary, successors)
     return RunConfig(
         model=model,
         speculative_config=spec,
         kv_transfer_config=kv,
         corrupt_draft_kv=args.corrupt_draft_kv,
         corrupt_mode=args.corrupt_mode,
-        prompt_tokens=args.prompt_tokens or _default_prompt_tokens(model),
+        prompt_tokens=prompt_tokens,
         num_prompts=args.num_prompts,
-        prompts_per_group=args.prompts_per_group,
+        # divergent plan: one prompt per prefix, so every hit comes from the connector
+        prompts_per_group=1 if args.divergent_successors else args.prompts_per_group,
         max_tokens=args.max_tokens,
         prompt_seed=args.prompt_seed,
+        divergence_boundary=boundary,
         dtype=args.dtype,
         block_size=args.block_size,
         enforce_eager=args.enforce_eager,
         llm_kwargs=_json_arg(args.llm_kwargs) or {},
-        phases=plan_phases(args.corrupt_draft_kv),
+        phases=phases,
     )
 
 
@@ -407,10 +358,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--model", help="target model dir (default FIXTURES/target)")
     ap.add_argument(
-        "--spec-method", default="none", choices=["none", "draft_model", "eagle", "eagle3", "ngram"]
+        "--spec-method",
+        default="none",
+        choices=["none", "draft_model", "eagle", "eagle3", "mtp", "ngram"],
     )
-    ap.add_argument("--draft", help="drafter dir (draft model or EAGLE head), or a fixture name")
-    ap.add_argument("--num-spec-tokens", type=int, default=3)
+    ap.add_argument(
+        "--draft",
+        help="drafter dir (draft model or EAGLE head), or a fixture name; with mtp: the "
+        "target carrying the MTP layers (e.g. glm-mtp), which then is the model",
+    )
+    ap.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=None,
+        help="default 3; an MTP fixture's own (fixture_meta.json: 2 for glm-mtp2)",
+    )
     ap.add_argument(
         "--speculative-config", help="JSON; overrides --spec-method/--draft/--num-spec-tokens"
     )
@@ -419,6 +381,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--corrupt-draft-kv", action="store_true", help="KV-sensitivity plan (probe connector)"
     )
     ap.add_argument("--corrupt-mode", choices=["zero", "noise"], default="zero")
+    ap.add_argument(
+        "--divergent-successors",
+        action="store_true",
+        help="successor-rule plan: prompts that differ from stored ones at successor "
+        "position 0, 1 and S-1 after a chunk boundary (EAGLE/MTP drafters; one prompt "
+        "per group)",
+    )
+    ap.add_argument(
+        "--prefix-cache-hit",
+        action="store_true",
+        help="determinism plan: the prompts again with the GPU prefix cache kept; "
+        "outputs must equal the fresh ones",
+    )
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=256,
+        help="with --divergent-successors: the connector's chunk_size (where the boundary is)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=None, help="default: by fixture preset")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--prompts-per-group", type=int, default=2, help="prompts sharing one prefix")
@@ -449,7 +430,12 @@ def format_summary(result: AcceptCheckResult) -> str:
     s = result.summary
     for c in s.comparisons:
         match = f"{c.outputs_match}/{c.outputs_compared}"
-        lines.append(f"  {c.phase} vs {c.reference}: ratio={c.ratio} outputs {match}")
+        line = f"  {c.phase} vs {c.reference}: ratio={c.ratio} outputs {match}"
+        if c.expected_cached_tokens is not None:
+            line += f" hits {c.cached_as_expected} at the expected {c.expected_cached_tokens}"
+        lines.append(line)
+    if s.hits_as_expected is not None:
+        lines.append(f"  divergent successors: every hit as expected={s.hits_as_expected}")
     if s.corruption_drop is not None:
         lines.append(f"  corruption drop={s.corruption_drop:.3f} pass={s.sensitivity_pass}")
     if result.error:

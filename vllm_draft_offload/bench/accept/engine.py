@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from vllm_draft_offload.bench.accept.check import (
+from vllm_draft_offload.bench.accept.check import acceptance_length, collect_env
+from vllm_draft_offload.bench.accept.divergent import diverge
+from vllm_draft_offload.bench.accept.schema import (
     AcceptCheckResult,
     PhaseResult,
     PhaseSpec,
     RequestResult,
     RunConfig,
-    acceptance_length,
-    collect_env,
 )
 from vllm_draft_offload.bench.fixtures.data import CorpusSpec, PromptSet, build_prompts
 
@@ -179,6 +179,17 @@ def reset_prefix_cache(llm: Any, phase: str, tries: int = 10) -> None:
     raise RuntimeError(f"reset_prefix_cache() kept failing before phase {phase}")
 
 
+def phase_prompts(spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> list[list[int]]:
+    """The phase's token lists: base or extended prompts, diverged where it says so."""
+    token_lists = prompts.base if spec.prompts == "base" else prompts.extended
+    if spec.diverge_at is None:
+        return token_lists
+    if cfg.divergence_boundary is None:
+        raise ValueError(f"phase {spec.name} diverges, but the run has no divergence_boundary")
+    vocab = load_corpus(cfg.model).vocab_size
+    return [diverge(t, cfg.divergence_boundary, spec.diverge_at, vocab) for t in token_lists]
+
+
 def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> PhaseResult:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -187,7 +198,7 @@ def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> 
 
     if spec.reset_before:
         reset_prefix_cache(llm, spec.name)
-    token_lists = prompts.base if spec.prompts == "base" else prompts.extended
+    token_lists = phase_prompts(spec, prompts, cfg)
     params = SamplingParams(
         temperature=0.0,
         max_tokens=cfg.max_tokens,
@@ -196,8 +207,9 @@ def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> 
     )
     before = snapshot(llm)
     t0 = time.time()
+    salt = {"cache_salt": spec.cache_salt} if spec.cache_salt else {}
     outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False
+        [TokensPrompt(prompt_token_ids=t, **salt) for t in token_lists], params, use_tqdm=False
     )
     wall = time.time() - t0
     counters, per_pos = diff(before, snapshot(llm))

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_draft_offload.bench.accept.check import AcceptCheckResult, Comparison
+from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Comparison
 from vllm_draft_offload.bench.options import command_parser
 
 Results = dict[tuple[str, str], AcceptCheckResult]  # (drafter, connector) -> result
@@ -22,6 +22,9 @@ DRAFTERS = {
     "small": "small-draft (draft_model)",
     "eagle": "eagle (eagle)",
     "eagle3": "eagle3 (eagle3)",
+    "glm-mtp": "glm-mtp (mtp, GLM-4-MoE)",
+    "glm-mtp2": "glm-mtp2 (mtp, 2 modules)",
+    "dsv3-mla-mtp": "dsv3-mla-mtp (mtp, DeepSeek-V3 MLA)",
 }
 CONNECTORS = {
     "none": "none",
@@ -98,7 +101,14 @@ def acceptance_cell(result: AcceptCheckResult | None) -> str:
         return MISSING
     if result.error:
         return "crash: " + crash_cause(result.error)
-    c = comparison(result, "restored")
+    cases = [c for c in result.summary.comparisons if c.expected_cached_tokens is not None]
+    if cases:  # the divergent-successor plan: one ratio per successor position
+        ratios = " / ".join(f"{c.phase.removeprefix('diverge_')} {_f(c.ratio)}" for c in cases)
+        match = f"{sum(c.outputs_match for c in cases)}/{sum(c.outputs_compared for c in cases)}"
+        hits = "as expected" if result.summary.hits_as_expected else "NOT as expected"
+        return f"{ratios}, {match}, hits {hits}"
+    # the default plan (a connector's restore), or the prefix-cache-hit plan
+    c = comparison(result, "restored") or comparison(result, "cached")
     if c is None:
         return MISSING
     return (
