@@ -145,7 +145,7 @@ def decision_lines(eng: SimEngine) -> str:
 def test_restore_speed_reads_the_calibration_an_engine_left(filled: str) -> None:
     """The benchmark's diagnosis of restart decisions reads the real calibration file
     LMCache's fs:// backend wrote, not a unit."""
-    from vllm_draft_offload.bench.speed.restore import calibration_samples
+    from vllm_draft_offload.bench.speed.l3_dir import calibration_samples
 
     samples = calibration_samples(Path(filled.removeprefix("fs://")))
     assert samples and all(len(s) == 3 for s in samples)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_draft_offload.bench.speed import l3_dir, restore_engine, restore_report, shapes
 from vllm_draft_offload.bench.speed import restore as restore_speed
 from vllm_draft_offload.l3_calibration import object_name
 
@@ -23,11 +24,11 @@ def args(**over: object) -> argparse.Namespace:
 
 
 def test_l3_runs_with_default_connector_settings_unless_a_flag_says_so() -> None:
-    extra = restore_speed.connector_config(args())["kv_connector_extra_config"]
+    extra = restore_engine.connector_config(args())["kv_connector_extra_config"]
     # Decision logging changes no behaviour: the rest are the connector's defaults.
     assert extra["l3"] == {"enabled": True, "log_decisions": True}
     assert extra["lmcache.extra_config"] == {"save_chunk_meta": True}
-    extra = restore_speed.connector_config(
+    extra = restore_engine.connector_config(
         args(l3_io_threads=8, l3_backlog_gib=16, l3_staging_mb=2048)
     )["kv_connector_extra_config"]
     assert extra["l3"] == {
@@ -49,9 +50,9 @@ def test_write_throughput_counts_whole_units_between_first_and_last_write(tmp_pa
     # The engines' prefill calibration is not a unit either.
     calibration = object_name(b"salt", "NVIDIA H200")
     (tmp_path / f"vllm-draft-offload@1@0@1{calibration}@uint8.data").write_bytes(b"{}")
-    files = restore_speed.unit_files(tmp_path)
+    files = l3_dir.unit_files(tmp_path)
     assert [f.name for f in files] == ["u0.data", "u1.data", "u2.data", "u3.data"]
-    got = restore_speed.write_throughput(files)
+    got = l3_dir.write_throughput(files)
     assert got["files"] == 4 and got["bytes"] == 4000
     assert abs(got["first_to_last_s"] - 1.5) < 1e-6
     assert abs(got["GBps"] - 3000 / 1.5 / 1e9) < 1e-15
@@ -85,7 +86,7 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
             },
         },
     }  # fmt: skip
-    restore_speed.summarize(report)
+    restore_report.summarize(report)
     summary = report["summary"]
     writes = summary["ours_l3_writes"]
     assert writes["written_fraction"] == 11 / 12
@@ -107,7 +108,7 @@ def test_connector_log_keeps_decisions_and_the_tail() -> None:
         ["vLLM noise"] * 50
         + ["INFO L3 decision req=0 policy=cost: cpu chunks 0 ... -> fetched", "more noise"]
     )
-    got = restore_speed.connector_log(output, "LMCache noise")
+    got = restore_report.connector_log(output, "LMCache noise")
     assert got["l3_decisions"] == [
         "INFO L3 decision req=0 policy=cost: cpu chunks 0 ... -> fetched"
     ]
@@ -116,25 +117,25 @@ def test_connector_log_keeps_decisions_and_the_tail() -> None:
 
 
 def test_small_shape_is_a_1b_geometry_with_a_two_layer_drafter() -> None:
-    target, draft = restore_speed.SHAPES["small"]
+    target, draft = shapes.SHAPES["small"]
     assert (target["num_hidden_layers"], target["num_key_value_heads"], target["head_dim"]) == (
         16, 8, 64,
     )  # fmt: skip
     assert draft["num_hidden_layers"] == 2 and draft["head_dim"] == 64
     # K and V of 16 tokens, bf16: 32 KiB a layer (the Llama-8B shape's is 64 KiB).
-    assert restore_speed.page_bytes(target) == 32 * 1024
-    assert restore_speed.page_bytes(restore_speed.LLAMA8B) == 64 * 1024
-    assert restore_speed.kv_bytes_per_token(target) == 16 * 2 * 8 * 64 * 2
+    assert shapes.page_bytes(target) == 32 * 1024
+    assert shapes.page_bytes(shapes.LLAMA8B) == 64 * 1024
+    assert shapes.kv_bytes_per_token(target) == 16 * 2 * 8 * 64 * 2
 
 
 def test_copy_path_reaches_our_connector_only_when_given() -> None:
-    extra = restore_speed.connector_config(args(config="ours"))["kv_connector_extra_config"]
+    extra = restore_engine.connector_config(args(config="ours"))["kv_connector_extra_config"]
     assert "copy_path" not in extra  # the connector's own default
-    extra = restore_speed.connector_config(args(config="ours", copy_path="memcpy"))[
+    extra = restore_engine.connector_config(args(config="ours", copy_path="memcpy"))[
         "kv_connector_extra_config"
     ]
     assert extra["copy_path"] == "memcpy"
-    native = restore_speed.connector_config(args(config="native", copy_path="memcpy"))
+    native = restore_engine.connector_config(args(config="native", copy_path="memcpy"))
     assert "copy_path" not in native["kv_connector_extra_config"]
 
 
@@ -160,14 +161,14 @@ def _shape_report(name: str, ours_hits: list[float], native_hits: list[float]) -
 
 def test_summary_and_table_give_copy_ratios_and_first_and_steady_hits() -> None:
     report = _shape_report("small", ours_hits=[0.3, 0.1, 0.1], native_hits=[1.3, 0.2, 0.2])
-    restore_speed.summarize(report)
+    restore_report.summarize(report)
     ours = report["summary"]["ours"]
     assert ours["restore_vs_pinned_memcpy"] == 45.0 / 50.0
     assert ours["store_GBps_connector"] == 36.0 and ours["store_vs_pinned_memcpy"] == 36.0 / 40.0
     assert ours["ratio_to_recompute_first"] == 0.3 and ours["ratio_to_recompute"] == 0.1
     assert report["summary"]["ours_vs_native_ttft"] == 0.5
     assert abs(report["summary"]["ours_vs_native_ttft_first"] - 0.3 / 1.3) < 1e-12
-    row = restore_speed.table_row("small", report)
+    row = restore_report.table_row("small", report)
     assert row == {
         "shape": "small", "page_bytes": 32768, "copy_path": "auto (connector default)",
         "restore_GBps": 45.0, "restore_vs_pinned_memcpy": 0.9,
@@ -184,8 +185,8 @@ def test_a_failed_or_missing_configuration_leaves_its_cells_empty() -> None:
     report = _shape_report("llama8b", [0.3, 0.1, 0.1], [1.3, 0.2, 0.2])
     report["configs"]["native"] = {"error": "engine died"}
     del report["configs"]["ours"]["store_GBps_metric"]
-    restore_speed.summarize(report)
-    row = restore_speed.table_row("llama8b", report)
+    restore_report.summarize(report)
+    row = restore_report.table_row("llama8b", report)
     assert row["store_GBps"] is None and row["store_vs_pinned_memcpy"] is None
     assert row["first_vs_native"] is None and row["native_steady_vs_recompute"] is None
     assert row["native_first_over_steady"] is None
@@ -198,11 +199,11 @@ def test_one_shape_keeps_its_layout_and_several_go_under_shapes() -> None:
     small = _shape_report("small", [0.3, 0.1, 0.1], [1.3, 0.2, 0.2])
     big = _shape_report("llama8b", [0.5, 0.2, 0.2], [1.5, 0.4, 0.4])
     for report in (small, big):
-        restore_speed.summarize(report)
-    one = restore_speed.combine({"small": small}, common)
+        restore_report.summarize(report)
+    one = restore_report.combine({"small": small}, common)
     assert one["summary"] is small["summary"] and one["configs"] is small["configs"]
     assert [row["shape"] for row in one["table"]] == ["small"]
-    both = restore_speed.combine({"small": small, "llama8b": big}, common)
+    both = restore_report.combine({"small": small, "llama8b": big}, common)
     assert set(both["shapes"]) == {"small", "llama8b"} and both["gpu"] == "H100"
     assert [row["shape"] for row in both["table"]] == ["small", "llama8b"]
     assert both["table"][1]["steady_vs_native"] == 0.5

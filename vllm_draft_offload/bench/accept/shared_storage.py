@@ -98,7 +98,7 @@ def run_engine(args: argparse.Namespace) -> None:
 
     if args.role == "writer":
         results = serve(prompts.base)
-        from vllm_draft_offload.bench.speed.restore import wait_for_l3_files
+        from vllm_draft_offload.bench.speed.l3_dir import wait_for_l3_files
 
         wait_for_l3_files(Path(args.l3_dir))
         (work / "a_ready.json").write_text(json.dumps({"requests": results}))

@@ -50,7 +50,7 @@ import numpy as np
 
 from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.progress import progress
-from vllm_draft_offload.bench.speed.restore import SHAPES, VOCAB, kv_bytes_per_token, write_config
+from vllm_draft_offload.bench.speed.shapes import SHAPES, VOCAB, kv_bytes_per_token, write_config
 from vllm_draft_offload.bench.workloads.run import CPU_ENV
 
 EXAMPLES = """examples:

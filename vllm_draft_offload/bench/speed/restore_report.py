@@ -1,0 +1,173 @@
+"""`restore-speed`'s report: each configuration's connector log lines, the summary of
+one shape (ratios to recompute, native and the pinned-copy limit) and the speed table."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Lines of a child's output worth keeping in the report: the connector's storage
+# decisions and calibration, and anything it warned about.
+LOG_MARKERS = ("L3 decision", "prefill calibration", "DraftOffloadConnector")
+
+LOG_TAIL_CHARS = 4000
+
+
+def connector_log(stdout: str, stderr: str = "") -> dict[str, Any]:
+    """The connector's lines from a child's output (vLLM logs to stdout by default),
+    and the tail of each stream."""
+    lines = (stdout + "\n" + stderr).splitlines()
+    return {
+        "l3_decisions": [line for line in lines if any(m in line for m in LOG_MARKERS)][-400:],
+        "log_tail": {"stdout": stdout[-LOG_TAIL_CHARS:], "stderr": stderr[-LOG_TAIL_CHARS:]},
+    }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def summarize(report: dict[str, Any]) -> None:
+    configs = report["configs"]
+    recompute = configs.get("recompute", {})
+    base = _median(recompute["fresh_s"]) if recompute.get("fresh_s") else None
+    summary: dict[str, Any] = {"recompute_ttft_s": base}
+    hits = {
+        "native": configs.get("native", {}),
+        "ours": configs.get("ours", {}),
+        "ours_l3_restart": configs.get("ours_l3", {}),
+        "ours_l3_restart_cold": configs.get("ours_l3_cold", {}),
+    }
+    for name, result in hits.items():
+        hit = result.get("hit_s")
+        if not hit:
+            continue
+        # After a restart every hit is a first hit of its prompt: no warm-up to drop.
+        restart = name.startswith("ours_l3_restart")
+        steady = _median(hit if restart else hit[1:] or hit)
+        cached = result["hit_cached"][-1]
+        metric = result.get("restore_GBps_metric") or []
+        summary[name] = {
+            "hit_ttft_s_steady": steady,
+            "hit_ttft_s_first": hit[0],
+            "cached_tokens": cached,
+            "ratio_to_recompute": steady / base if base else None,
+            "ratio_to_recompute_first": hit[0] / base if base else None,
+            # A lower bound on restore bandwidth: the whole hit TTFT counted as copy time.
+            "restore_GBps_lower_bound": cached * report["kv_bytes_per_token"] / steady / 1e9,
+            # GPU time of the connector's own host->device copies (CUDA events).
+            "restore_GBps_connector": _median(metric) if metric else None,
+        }
+        if result.get("cpu_hit_s"):
+            summary[name]["cpu_hit_after_l3_ttft_s"] = _median(result["cpu_hit_s"])
+        if restart:
+            # Every prompt: tokens hit after the restart, and TTFT against this engine's
+            # own recompute of prompts it has never seen (and the recompute config's).
+            own = _median(result["fresh_s"]) if result.get("fresh_s") else None
+            summary[name]["hit_tokens_per_prompt"] = result["hit_cached"]
+            summary[name]["prompt_tokens"] = report["tokens"]
+            summary[name]["hit_ttft_s_per_prompt"] = hit
+            summary[name]["recompute_ttft_s_same_engine"] = own
+            summary[name]["ttft_vs_recompute_per_prompt"] = (
+                [h / (base or own) for h in hit] if (base or own) else None
+            )
+            # The first prompt is this engine's first request: against another fresh
+            # engine's first request (the fill engine's warm-up), same prompt length.
+            first = configs.get("ours_l3_fill", {}).get("first_request_s")
+            summary[name]["first_request_recompute_s"] = first
+            summary[name]["first_prompt_vs_first_request_recompute"] = (
+                hit[0] / first if first else None
+            )
+            summary[name]["storage_decisions"] = [
+                line[line.index("L3 decision") :]
+                for line in result.get("l3_decisions", [])
+                if "L3 decision req=" in line
+            ]
+    pinned = report.get("pinned_h2d_GBps")
+    if "ours" in summary and pinned and summary["ours"]["restore_GBps_connector"]:
+        summary["ours"]["restore_vs_pinned_memcpy"] = (
+            summary["ours"]["restore_GBps_connector"] / pinned
+        )
+    if "ours" in summary:
+        # GPU time of the connector's own device->host copies of the fresh prompts.
+        stores = configs["ours"].get("store_GBps_metric") or []
+        store = _median(stores) if stores else None
+        pinned_d2h = report.get("pinned_d2h_GBps")
+        summary["ours"]["store_GBps_connector"] = store
+        summary["ours"]["store_vs_pinned_memcpy"] = (
+            store / pinned_d2h if store and pinned_d2h else None
+        )
+    if "native" in summary and "ours" in summary:
+        summary["ours_vs_native_ttft"] = (
+            summary["ours"]["hit_ttft_s_steady"] / summary["native"]["hit_ttft_s_steady"]
+        )
+        summary["ours_vs_native_ttft_first"] = (
+            summary["ours"]["hit_ttft_s_first"] / summary["native"]["hit_ttft_s_first"]
+        )
+    fill = configs.get("ours_l3_fill", {})
+    if "units_expected" in fill:
+        raw = report.get("raw_disk", {})
+        written = fill.get("l3_write", {})
+        summary["ours_l3_writes"] = {
+            "units_in_storage": fill["l3_files"],
+            "units_expected": fill["units_expected"],
+            "written_fraction": fill["l3_files"] / fill["units_expected"],
+            **fill.get("l3_counters", {}),
+            "sustained_write_GBps": written.get("GBps"),
+            "raw_write_GBps": raw.get("write_GBps"),
+            "write_vs_raw": written["GBps"] / raw["write_GBps"]
+            if written.get("GBps") and raw.get("write_GBps")
+            else None,
+        }
+    if "raw_disk" in report:
+        raw = report["raw_disk"]
+        summary["raw_disk"] = {
+            k: raw[k]
+            for k in ("write_GBps", "read_direct_GBps", "read_cold_GBps", "read_warm_GBps")
+        }
+    report["summary"] = summary
+    print(json.dumps(summary, indent=1), flush=True)
+
+
+def combine(reports: dict[str, dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
+    """The run's report: one shape keeps the single-shape layout, several go under
+    ``shapes``; both get the ``table`` of every shape."""
+    table = [table_row(name, report) for name, report in reports.items()]
+    if len(reports) == 1:
+        return {**next(iter(reports.values())), "table": table}
+    return {**common, "shapes": reports, "table": table}
+
+
+def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """One shape's line of the speed table, from its summary (None where a
+    configuration did not run or failed)."""
+    summary = report.get("summary", {})
+    ours, native = summary.get("ours", {}), summary.get("native", {})
+    return {
+        "shape": name,
+        "page_bytes": report.get("page_bytes", {}).get("target"),
+        "copy_path": report.get("copy_path"),
+        "restore_GBps": ours.get("restore_GBps_connector"),
+        "restore_vs_pinned_memcpy": ours.get("restore_vs_pinned_memcpy"),
+        "store_GBps": ours.get("store_GBps_connector"),
+        "store_vs_pinned_memcpy": ours.get("store_vs_pinned_memcpy"),
+        "recompute_ttft_s": summary.get("recompute_ttft_s"),
+        "hit_ttft_s_first": ours.get("hit_ttft_s_first"),
+        "hit_ttft_s_steady": ours.get("hit_ttft_s_steady"),
+        "first_vs_recompute": ours.get("ratio_to_recompute_first"),
+        "steady_vs_recompute": ours.get("ratio_to_recompute"),
+        "native_first_vs_recompute": native.get("ratio_to_recompute_first"),
+        "native_steady_vs_recompute": native.get("ratio_to_recompute"),
+        "first_vs_native": summary.get("ours_vs_native_ttft_first"),
+        "steady_vs_native": summary.get("ours_vs_native_ttft"),
+        # Issue 13's item 4: the engine's first hit as fast as its steady ones (~1).
+        "first_over_steady": _over(ours.get("hit_ttft_s_first"), ours.get("hit_ttft_s_steady")),
+        "native_first_over_steady": _over(
+            native.get("hit_ttft_s_first"), native.get("hit_ttft_s_steady")
+        ),
+    }
+
+
+def _over(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
