@@ -268,6 +268,38 @@ def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path
     (row,) = _pressure(tmp_path / "c2", wrong)["summary"]["rows"]
     assert row["verdict"] == "fail"
 
+    # With margins recorded (logprobs=2), each flip is judged where it happens: a flip
+    # at a near-tie of the reference is numerics, a confident one fails even when the
+    # control flipped as often.
+    tied = copy.deepcopy(base)
+    ref = next(r for r in tied["runs"] if r["role"] == "reference")
+    for q in ref["requests"]:
+        q["margins"] = [5.0] * len(q["output"])
+    ref["requests"][5]["margins"][2] = 0.03
+    ours(tied)["requests"][5]["output"][2] += 1
+    (row,) = _pressure(tmp_path / "g", tied)["summary"]["rows"]
+    assert row["verdict"] == "pass" and row["control_mismatch"] == 0, row["failed"]
+    assert row["ours_flips"] == [
+        {"seq": ours(tied)["requests"][5]["seq"], "first_diff": 2,
+         "cached": ours(tied)["requests"][5]["cached"], "reference_margin": 0.03,
+         "near_tie": True}
+    ]  # fmt: skip
+    ctl = next(r for r in tied["runs"] if r["role"] == "control")
+    ctl["requests"][7]["output"][0] += 1
+    ours(tied)["requests"][9]["output"][1] += 1  # the reference led by 5 nats there
+    done = _pressure(tmp_path / "h", tied)
+    (row,) = done["summary"]["rows"]
+    assert row["verdict"] == "fail" and row["ours_confident_flips"] == 1
+    md = (tmp_path / "h" / "out" / "pressure.md").read_text()
+    assert "| ours | " in md and "**no**" in md and "| control | " in md
+    # a looser threshold, given at report time, excuses it
+    path = tmp_path / "h" / "in.json"
+    out = tmp_path / "h" / "loose"
+    assert cli.main(["pressure", "--report-only", str(path), "--out", str(out),
+                     "--near-tie-nats", "6"]) == 0  # fmt: skip
+    (row,) = json.loads((out / "pressure.json").read_text())["summary"]["rows"]
+    assert row["verdict"] == "pass"
+
     nohit = copy.deepcopy(base)
     c = ours(nohit)["counters"]
     c[sr.LOADED.format("cpu")] = c[sr.LOADED.format("l3")]
@@ -419,3 +451,17 @@ def test_soak_verdicts_count_crashes_wrong_outputs_and_memory(tmp_path: Path) ->
     grew["runs"]["ours"]["samples"][-1]["pool_bytes"] += 1
     s = _soak_report(tmp_path / "c", grew)
     assert any("pool" in f for f in s["failed"])
+
+
+def test_top_margins_from_vllm_logprobs() -> None:
+    """The margin of each pick over the runner-up, from vLLM's own Logprob objects."""
+    from vllm.logprobs import Logprob
+
+    from vllm_draft_offload.bench.workloads.worker import top_margins
+
+    positions = [
+        {7: Logprob(-0.1, rank=1), 9: Logprob(-2.6, rank=2)},
+        {3: Logprob(-0.69, rank=1), 4: Logprob(-0.70, rank=2), 5: Logprob(-3.0, rank=3)},
+        {1: Logprob(0.0, rank=1)},
+    ]
+    assert top_margins(positions) == [2.5, 0.01, None]

@@ -64,6 +64,7 @@ class StreamDriver:
         max_requests: int | None = None,
         on_tick: Callable[[float], None] | None = None,
         tick_s: float = 1.0,
+        logprobs: int | None = None,
     ) -> None:
         # streams[i](last_output) -> next (kind, prompt, max_tokens), or None when done
         self.llm = llm
@@ -72,6 +73,9 @@ class StreamDriver:
         self.max_requests = max_requests
         self.on_tick = on_tick
         self.tick_s = tick_s
+        # top-k logprobs per output token (greedy picks stay the same): the records
+        # then carry each pick's margin over the next-best token (near-tie analysis)
+        self.logprobs = logprobs
 
     def run(self) -> DriverResult:
         from vllm import SamplingParams
@@ -101,6 +105,7 @@ class StreamDriver:
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 output_kind=RequestOutputKind.FINAL_ONLY,
+                logprobs=self.logprobs,
             )
             rid = f"s{stream}-{seq}"
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)

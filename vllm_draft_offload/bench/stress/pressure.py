@@ -36,7 +36,11 @@ from vllm_draft_offload.bench.stress.jobs import (
     worker_env,
 )
 from vllm_draft_offload.bench.stress.load import plan_pressure
-from vllm_draft_offload.bench.stress.report import pressure_markdown, pressure_summary
+from vllm_draft_offload.bench.stress.report import (
+    NEAR_TIE_NATS,
+    pressure_markdown,
+    pressure_summary,
+)
 from vllm_draft_offload.bench.workloads.run import read_model_limits
 from vllm_draft_offload.bench.workloads.specs import parse_drafters
 
@@ -68,6 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--l3", choices=("fs", "none"), default="fs", help="storage tier of ours")
     ap.add_argument("--l3-dir", type=Path, default=Path("/tmp/pressure-l3"))
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
+    ap.add_argument(
+        "--near-tie-nats",
+        type=float,
+        default=None,
+        help="an answer that first differs from the reference where the reference's pick "
+        f"led by less than this is a numerics near-tie (default {NEAR_TIE_NATS})",
+    )
     ap.add_argument("--dtype", help="engine dtype (auto; dry run float32)")
     add_eager_or_compile(ap)
     ap.add_argument("--num-spec-tokens", type=int, default=3)
@@ -86,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         data = json.loads(args.report_only.read_text())
+        if args.near_tie_nats is not None:
+            data["near_tie_nats"] = args.near_tie_nats
         return _write(data, out)
     model = args.model or (str(Path(args.fixtures) / "target") if args.fixtures else None)
     if model is None:
@@ -115,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": plan.to_dict(),
         "chunk_size": chunk,
         "l3": args.l3,
+        "near_tie_nats": NEAR_TIE_NATS if args.near_tie_nats is None else args.near_tie_nats,
         "runs": [],
     }
     env = worker_env(dry, args.batch_invariant)

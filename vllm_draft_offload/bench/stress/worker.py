@@ -96,7 +96,9 @@ class Worker:
         plan = PressurePlan(**self.job["plan"])
         requests = pressure_requests(plan, int(self.job["vocab"]))
         before = _counters()
-        res = StreamDriver(self.llm, queue_streams(requests, plan.streams)).run()
+        # logprobs=2: each answer token's lead over the runner-up, so the report can
+        # tell a near-tie flip (numerics) from a confident one (wrong KV)
+        res = StreamDriver(self.llm, queue_streams(requests, plan.streams), logprobs=2).run()
         self._driver_result(res)
         self.result["counters"] = _delta(_counters(), before)
         self.result["memory"] = memory_sample(self.llm, res.wall_s)

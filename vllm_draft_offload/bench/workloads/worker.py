@@ -96,6 +96,17 @@ def reset_prefix_cache_after_stores(
     return None
 
 
+def top_margins(logprobs: list[dict[int, Any]]) -> list[float | None]:
+    """Per output position, the chosen token's logprob lead over the next-best token
+    (needs ``SamplingParams(logprobs=2)``; None where only one token was returned).
+    A greedy output that flips where this lead is tiny is a numerics near-tie."""
+    margins: list[float | None] = []
+    for position in logprobs:
+        best = sorted((lp.logprob for lp in position.values()), reverse=True)
+        margins.append(round(best[0] - best[1], 5) if len(best) > 1 else None)
+    return margins
+
+
 def request_record(out: Any, expected_hit: int | None) -> dict[str, Any]:
     comp = out.outputs[0]
     m = out.metrics
@@ -111,6 +122,8 @@ def request_record(out: Any, expected_hit: int | None) -> dict[str, Any]:
         # engine-core monotonic timestamps; only differences between them are used
         rec["first_ts"] = float(m.first_token_ts)
         rec["last_ts"] = float(m.last_token_ts)
+    if comp.logprobs:  # requested (pressure): how close each greedy pick was
+        rec["margins"] = top_margins(comp.logprobs)
     spec = getattr(comp, "spec_decode_metrics", None)
     if spec is not None:
         d = spec.to_dict()
