@@ -13,16 +13,15 @@ from pathlib import Path
 import pytest
 
 from vllm_draft_offload.bench import cli
-from vllm_draft_offload.bench.accept.check import (
+from vllm_draft_offload.bench.accept.check import build_config, parse_args
+from vllm_draft_offload.bench.accept.compare import (
     SENSITIVITY_MIN_DROP,
     acceptance_length,
-    build_config,
     first_mismatch,
-    parse_args,
-    plan_phases,
     ratio,
     summarize,
 )
+from vllm_draft_offload.bench.accept.plans import plan_phases
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, PhaseResult
 
 EXAMPLE = Path(__file__).parent / "data" / "accept_check_example.json"

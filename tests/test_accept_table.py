@@ -141,7 +141,7 @@ def test_no_runs(tmp_path: Path) -> None:
 
 
 def test_divergent_and_prefix_cache_hit_runs_get_their_own_cells(h200: Results) -> None:
-    from vllm_draft_offload.bench.accept.check import summarize
+    from vllm_draft_offload.bench.accept.compare import summarize
 
     ours = h200["eagle", "ours"].model_copy(deep=True)
     fresh, restored = ours.phases[0], ours.phases[1]
