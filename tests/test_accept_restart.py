@@ -30,7 +30,7 @@ from vllm_draft_offload.bench.accept.restart import (
 )
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, RunConfig
 from vllm_draft_offload.bench.accept.table import acceptance_cell, load_results, render
-from vllm_draft_offload.bench.speed.restore import unit_files
+from vllm_draft_offload.bench.speed.l3_dir import unit_files
 from vllm_draft_offload.config import parse_config
 
 EXAMPLE = Path(__file__).parent / "data" / "accept_restart_example.json"

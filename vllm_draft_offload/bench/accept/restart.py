@@ -38,6 +38,7 @@ from vllm_draft_offload.bench.accept.schema import (
     StorageRun,
     StorageWrites,
 )
+from vllm_draft_offload.bench.speed.l3_dir import unit_files
 from vllm_draft_offload.bench.workloads.summary import sum_prefix
 
 CONNECTOR = "DraftOffloadConnector"
@@ -134,8 +135,6 @@ def engine_configs(cfg: RunConfig) -> list[RunConfig]:
 
 def storage_units(l3_dir: Path) -> tuple[int, int]:
     """(unit objects, their bytes) in an fs:// directory (the calibration is none)."""
-    from vllm_draft_offload.bench.speed.restore import unit_files
-
     files = unit_files(l3_dir)
     return len(files), sum(f.stat().st_size for f in files)
 
