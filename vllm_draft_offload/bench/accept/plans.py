@@ -28,6 +28,19 @@ def plan_divergent(boundary: int, successors: int) -> list[PhaseSpec]:
     return [*fresh, seed, *diverged]
 
 
+# The restart plan's phase run by the restarted engine (engine 1).
+RESTORED_STORAGE = "restored_storage"
+
+
+def plan_restart() -> list[PhaseSpec]:
+    """fresh in engine 0 (which then writes its units to storage and shuts down);
+    restored_storage in a new engine process whose CPU tier starts empty."""
+    return [
+        PhaseSpec(name="fresh", prompts="base"),
+        PhaseSpec(name=RESTORED_STORAGE, prompts="base", engine=1, reference="fresh"),
+    ]
+
+
 def plan_phases(corrupt_draft_kv: bool, prefix_cache_hit: bool = False) -> list[PhaseSpec]:
     if prefix_cache_hit:
         # the same prompts again, no reset: all but their last block from the GPU

@@ -146,7 +146,7 @@ def summarize(
     a: list[dict[str, Any]], b: dict[str, Any], filler_done_at: list[float]
 ) -> dict[str, Any]:
     """Per prompt: B's hit tokens and acceptance restored from A's units vs A's fresh."""
-    from vllm_draft_offload.bench.accept.check import ratio
+    from vllm_draft_offload.bench.accept.compare import ratio
 
     per_prompt = [
         {

@@ -2,7 +2,8 @@
 
 Reads every ``accept_<drafter>-<connector>.json`` (an :class:`AcceptCheckResult`) in DIR
 and prints markdown: table A, KV sensitivity (the ``corrupt`` runs), and table B,
-restored/fresh acceptance per drafter and connector.
+restored/fresh acceptance per drafter and connector (``ours_l3``: the
+``--restart-from-storage`` runs).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from vllm_draft_offload.bench.accept.plans import RESTORED_STORAGE
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Comparison
 from vllm_draft_offload.bench.options import command_parser
 
@@ -26,16 +28,22 @@ DRAFTERS = {
     "glm-mtp2": "glm-mtp2 (mtp, 2 modules)",
     "dsv3-mla-mtp": "dsv3-mla-mtp (mtp, DeepSeek-V3 MLA)",
 }
+# Column order: the no-connector control, ours from the CPU tier, ours from storage
+# after an engine restart (`accept --restart-from-storage`), then the others.
 CONNECTORS = {
     "none": "none",
+    "ours": "ours, CPU tier (DraftOffloadConnector)",
+    "ours_l3": "ours, storage after restart (ours_l3)",
     "native": "native (OffloadingConnector)",
     "lmcache": "lmcache (LMCacheConnectorV1)",
-    "ours": "ours (DraftOffloadConnector)",
 }
 MISSING = "–"
 LEGEND_B = (
     "Cell: ratio (AL restored / AL fresh), outputs equal to fresh, "
-    "mean cached tokens per request in the restored phase."
+    "mean cached tokens per request in the restored phase. ours_l3: restored by a "
+    "new engine process from what the first one wrote to storage (fs://); "
+    '"from storage" when every request hit and every unit it restored had been '
+    "fetched from storage."
 )
 _NAME = re.compile(r"accept_(?P<drafter>.+)-(?P<connector>[^-]+)\.json")
 _EXC = re.compile(r"^\s*(?:[\w.]+\.)?(?P<type>\w+(?:Error|Exception)): (?P<msg>.*)$")
@@ -107,14 +115,22 @@ def acceptance_cell(result: AcceptCheckResult | None) -> str:
         match = f"{sum(c.outputs_match for c in cases)}/{sum(c.outputs_compared for c in cases)}"
         hits = "as expected" if result.summary.hits_as_expected else "NOT as expected"
         return f"{ratios}, {match}, hits {hits}"
-    # the default plan (a connector's restore), or the prefix-cache-hit plan
+    # the default plan (a connector's restore), the prefix-cache-hit plan, or the
+    # restart plan (restored from storage by a new engine)
     c = comparison(result, "restored") or comparison(result, "cached")
+    c = c or comparison(result, RESTORED_STORAGE)
     if c is None:
         return MISSING
-    return (
+    cell = (
         f"{_f(c.ratio)} ({_f(c.acceptance_length)} / {_f(c.reference_acceptance_length)}), "
         f"{c.outputs_match}/{c.outputs_compared}, {_f(c.mean_cached_tokens, '.0f')}"
     )
+    reads = result.summary.storage_reads
+    if reads is None:
+        return cell
+    if reads.from_storage:
+        return cell + " from storage"
+    return f"{cell}, NOT from storage ({reads.requests_hit}/{reads.requests} requests hit)"
 
 
 def env_line(results: Results) -> str:
@@ -141,7 +157,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def render(results: Results) -> str:
     drafters = _ordered({d for d, _ in results}, DRAFTERS)
-    # the four known connectors always get a column (missing runs show as "–")
+    # the known connectors always get a column (missing runs show as "–")
     connectors = _ordered({c for _, c in results if c != "corrupt"} | CONNECTORS.keys(), CONNECTORS)
     out = [env_line(results), "", "### A. Sensitivity (draft KV of the cached prefix zeroed)", ""]
     out += _table(
