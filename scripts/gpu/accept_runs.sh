@@ -8,6 +8,7 @@
 # prompts fresh and writes them to storage, a second engine process reads them back;
 # two engines per run, each with ACCEPT_TIMEOUT; storage in a temp dir, removed after).
 # METHOD mtp: DRAFT is the MTP fixture (it is the model); k is the fixture's own.
+# ACCEPT_ARGS: more `accept` flags for every run, e.g. "--prompt-tokens 32000" (the gpu fixtures hold 32768 positions).
 # JOBS>1 runs that many engines side by side on one GPU.  Each then gets a fixed
 # KV-cache size (kv_cache_memory_bytes), because vLLM's memory profiling fails when
 # another process allocates or frees GPU memory while it measures.  Acceptance
@@ -41,7 +42,7 @@ one_run() {
   esac
   start=$(date +%s)
   python3 -m vllm_draft_offload.bench accept --fixtures "$F" --spec-method "$method" --draft "$draft" \
-    "${extra[@]}" "${llm_kwargs[@]}" --enforce-eager --timeout "${ACCEPT_TIMEOUT:-300}" \
+    "${extra[@]}" "${llm_kwargs[@]}" ${ACCEPT_ARGS:-} --enforce-eager --timeout "${ACCEPT_TIMEOUT:-300}" \
     --out "$OUT/accept_$name.json" > "$OUT/accept_$name.log" 2>&1
   rc=$?
   echo "$name rc=$rc $(( $(date +%s) - start ))s"; tail -4 "$OUT/accept_$name.log"
