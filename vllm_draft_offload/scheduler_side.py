@@ -188,12 +188,12 @@ class DraftOffloadScheduler:
     ) -> tuple[StoredUnitView | None, StoredUnitView | None]:
         exact = self.index.get((chunk_key, successors))
         if exact is not None and exact.ready:
-            return StoredUnitView(exact.unit_id, successors), None
+            return StoredUnitView(exact.unit_id, successors, exact.has_state), None
         variants = self.index.ready_variants(chunk_key)
         if not variants:
             return None, None
         best = max(variants, key=lambda e: common_prefix_length(e.successors, successors))
-        return None, StoredUnitView(best.unit_id, best.successors)
+        return None, StoredUnitView(best.unit_id, best.successors, best.has_state)
 
     def _match(self, state: RequestState, num_computed_tokens: int) -> PrefixMatch:
         tokens = state.request.all_token_ids
@@ -207,6 +207,7 @@ class DraftOffloadScheduler:
             self._lookup,
             self.min_compute_tokens,
             can_end=self.layout.restorable,
+            needs_state=bool(self.layout.state_groups),
         )
 
     def get_num_new_matched_tokens(
@@ -286,6 +287,7 @@ class DraftOffloadScheduler:
         req_id = state.request.request_id
         # Freed sliding-window blocks a unit still needs are read where they are held.
         block_ids = self.pins.block_table(req_id, block_ids)
+        state_blocks = self.pins.state_blocks(req_id) if self.layout.state_groups else None
         plan = plan_request_stores(
             self.index,
             self.layout,
@@ -298,6 +300,7 @@ class DraftOffloadScheduler:
             block_ids,
             # No slot for a store: a queued L3 write gives its slot back once confirmed.
             on_full=self.l3_writes.relieve if self.l3_writes is not None else None,
+            state_blocks=state_blocks,
         )
         if plan.window_lost:
             self.pins.give_up(req_id)
@@ -355,6 +358,7 @@ class DraftOffloadScheduler:
                 loads=bool(meta.loads),
             )
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        self._take_state_offers(scheduler_output)
         loading = blocks_being_loaded(meta.loads)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -385,6 +389,28 @@ class DraftOffloadScheduler:
         meta.l3_commit_jobs, self._l3_commits = self._l3_commits, []
         meta.l3_abort_jobs, self._l3_aborts = self._l3_aborts, []
         return meta
+
+    def _take_state_offers(self, scheduler_output: SchedulerOutput) -> None:
+        """Hold the blocks vLLM names this step as holding a Mamba group's state at
+        one of our chunk ends (``KVConnectorBlockState.boundary_state_offloads``:
+        exact block ids, valid once this step's forward ran; docs/hybrid.md)."""
+        state_groups = {self.layout.groups[g].group_id: g for g in self.layout.state_groups}
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if not state_groups or block_state is None:
+            return
+        assert self._kv_cache_manager is not None
+        pool = self._kv_cache_manager.block_pool
+        for req_id, offers in block_state.boundary_state_offloads.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            for group_id, block_id, boundary in offers:
+                g = state_groups.get(group_id)
+                if g is None or boundary <= 0 or boundary % self.chunk_size:
+                    continue  # not one of our chunk ends (a sub-block tail, say)
+                chunk = boundary // self.chunk_size - 1
+                if chunk >= state.next_store_chunk:
+                    self.pins.offer(req_id, chunk, g, pool.blocks[block_id])
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
