@@ -358,7 +358,12 @@ class DraftOffloadScheduler:
                 loads=bool(meta.loads),
             )
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        self._take_state_offers(scheduler_output)
+        self.pins.take_state_offers(
+            getattr(scheduler_output, "kv_connector_block_state", None),
+            lambda req_id: (
+                state.next_store_chunk if (state := self._requests.get(req_id)) else None
+            ),
+        )
         loading = blocks_being_loaded(meta.loads)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -389,28 +394,6 @@ class DraftOffloadScheduler:
         meta.l3_commit_jobs, self._l3_commits = self._l3_commits, []
         meta.l3_abort_jobs, self._l3_aborts = self._l3_aborts, []
         return meta
-
-    def _take_state_offers(self, scheduler_output: SchedulerOutput) -> None:
-        """Hold the blocks vLLM names this step as holding a Mamba group's state at
-        one of our chunk ends (``KVConnectorBlockState.boundary_state_offloads``:
-        exact block ids, valid once this step's forward ran; docs/hybrid.md)."""
-        state_groups = {self.layout.groups[g].group_id: g for g in self.layout.state_groups}
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        if not state_groups or block_state is None:
-            return
-        assert self._kv_cache_manager is not None
-        pool = self._kv_cache_manager.block_pool
-        for req_id, offers in block_state.boundary_state_offloads.items():
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            for group_id, block_id, boundary in offers:
-                g = state_groups.get(group_id)
-                if g is None or boundary <= 0 or boundary % self.chunk_size:
-                    continue  # not one of our chunk ends (a sub-block tail, say)
-                chunk = boundary // self.chunk_size - 1
-                if chunk >= state.next_store_chunk:
-                    self.pins.offer(req_id, chunk, g, pool.blocks[block_id])
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

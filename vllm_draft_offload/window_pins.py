@@ -35,8 +35,11 @@ from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.windows import NULL_BLOCK
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import KVConnectorBlockState
 
 # Chunks per request whose window pages are held ahead of its next store.
 MAX_CHUNKS = 4
@@ -58,6 +61,29 @@ class WindowPins:
     def active(self) -> bool:
         """Whether some group has a sliding window or state (vLLM frees its blocks early)."""
         return any(group.reach is not None or group.state for group in self.layout.groups)
+
+    def take_state_offers(
+        self, block_state: KVConnectorBlockState | None, next_chunk: Callable[[str], int | None]
+    ) -> None:
+        """Hold the blocks vLLM names this step as holding a Mamba group's state at one
+        of our chunk ends (``boundary_state_offloads``: exact block ids, complete once
+        this step's forward ran; docs/hybrid.md). `next_chunk`: a request's next chunk
+        to store (None: not one we store)."""
+        layout = self.layout
+        state_groups = {layout.groups[g].group_id: g for g in layout.state_groups}
+        if not state_groups or block_state is None or self.pool is None:
+            return
+        for req_id, offers in block_state.boundary_state_offloads.items():
+            first = next_chunk(req_id)
+            if first is None:
+                continue
+            for group_id, block_id, boundary in offers:
+                g = state_groups.get(group_id)
+                if g is None or boundary <= 0 or boundary % layout.chunk_size:
+                    continue  # not one of our chunk ends (a sub-block tail, say)
+                chunk = boundary // layout.chunk_size - 1
+                if chunk >= first:
+                    self.offer(req_id, chunk, g, self.pool.blocks[block_id])
 
     def offer(self, req_id: str, chunk: int, g: int, block: KVCacheBlock) -> None:
         """vLLM named `block` as holding state group `g`'s state at `chunk`'s end for
