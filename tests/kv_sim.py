@@ -584,7 +584,12 @@ class SimEngine:
         pool = self.scheduler.kv_cache_manager.block_pool
         for job in meta.stores:
             for blocks in job.gpu_blocks:
-                freed = [b for b in blocks if b == 0 or pool.blocks[b].ref_cnt <= 0]
+                # (ids past the pool are fault injection: the worker refuses those)
+                freed = [
+                    b
+                    for b in blocks
+                    if b < len(pool.blocks) and (b == 0 or not pool.blocks[b].ref_cnt)
+                ]
                 assert not freed, f"store {job.job_id} reads blocks vLLM freed: {freed}"
         if self.state is not None:
             self.state.forget(sched_out.finished_req_ids)
