@@ -21,7 +21,12 @@ acceptance; the simulator is stricter on purpose.)
 
 `SimSetup.sliding_window` makes the model hybrid (Gemma-3-like): vLLM's own
 SlidingWindowManager then frees blocks that leave the window to its null block,
-and a sliding-window layer's read covers only the window.
+and a sliding-window layer's read covers only the window. `SimSetup.mamba` makes
+it Qwen3-Next / Nemotron-H-like: Mamba layers whose recurrent state vLLM's own
+MambaManager ("align" mode) places per block boundary (tests/mamba_sim.py).
+
+Every store a step plans reads only blocks vLLM's pool holds (ref_cnt > 0): a
+block vLLM freed is never copied (`execute` asserts it).
 """
 
 from __future__ import annotations
@@ -176,6 +181,13 @@ class SimSetup:
     # DeepSeek MLA: every layer, draft included, one latent tensor per layer
     # (kv_lora_rank 512 + rope 64 per token, no separate K/V), all in one group.
     mla: bool = False
+    # Qwen3-Next / Nemotron-H-like: mamba_sim.MAMBA_LAYERS keep a recurrent state
+    # (vLLM's "align" mode), TARGET_LAYERS attend fully, the EAGLE/MTP head attends
+    # fully (needs `eagle`). vLLM groups the Mamba layers in groups of their own.
+    mamba: bool = False
+    # vLLM's prefix_cache_retention_interval (default 0: a Mamba state is kept only at
+    # semantic checkpoints, the prompt's replay boundary; None: at every block boundary).
+    retention_interval: int | None = 0
 
 
 MLA_SPEC = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
@@ -217,10 +229,22 @@ def hybrid_specs(vllm_config: VllmConfig, setup: SimSetup) -> dict[str, KVCacheS
     return specs
 
 
+def mamba_hybrid_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
+    from mamba_sim import MAMBA_LAYERS, mamba_spec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    specs: dict[str, KVCacheSpec] = dict.fromkeys(MAMBA_LAYERS, mamba_spec(vllm_config))
+    specs |= dict.fromkeys(TARGET_LAYERS, full)
+    specs[f"model.layers.{len(TARGET_LAYERS)}.self_attn.attn"] = dataclasses.replace(
+        full, is_draft=True
+    )
+    return specs
+
+
 def build_kv_cache_config(vllm_config: VllmConfig, setup: SimSetup) -> KVCacheConfig:
     target = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32)
-    if setup.sliding_window is not None:
-        specs = hybrid_specs(vllm_config, setup)
+    if setup.sliding_window is not None or setup.mamba:
+        specs = mamba_hybrid_specs(vllm_config) if setup.mamba else hybrid_specs(vllm_config, setup)
         groups = get_kv_cache_groups(vllm_config, specs)
         if vllm_config.speculative_config.use_eagle_block_drop():
             for group in groups:  # as vLLM's get_kv_cache_configs marks them
@@ -319,6 +343,17 @@ def make_vllm_config(model_dir: Path, draft_dir: Path, setup: SimSetup) -> VllmC
         ),
     )
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    if setup.mamba:
+        from mamba_sim import configure_cache
+
+        assert setup.eagle, "the Mamba hybrid has an EAGLE/MTP head"
+        vllm_config.cache_config.prefix_cache_retention_interval = setup.retention_interval
+        configure_cache(
+            vllm_config,
+            FullAttentionSpec(
+                block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32
+            ).page_size_bytes,
+        )
     return vllm_config
 
 
@@ -357,8 +392,14 @@ class SimEngine:
         )
         # What the model runner's attention layers tell the worker: which are draft.
         context = self.vllm_config.compilation_config.static_forward_context
+        self.state_names: set[str] = set()
+        if setup.mamba:
+            from mamba_sim import MAMBA_LAYERS
+
+            self.state_names = set(MAMBA_LAYERS)
+        target_names = set(TARGET_LAYERS) | self.state_names
         for name in self.kv_caches:
-            context[name] = SimpleNamespace(is_draft_layer=name not in TARGET_LAYERS)
+            context[name] = SimpleNamespace(is_draft_layer=name not in target_names)
         self.workers: list[DraftOffloadConnector] = []
         self.rank_kv_caches = [self.kv_caches]
         for rank in range(setup.tp):
@@ -407,7 +448,16 @@ class SimEngine:
             for name in group.layer_names
         }
         self.block_size_of = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
-        self.draft_names = {name for name in self.kv_caches if name not in TARGET_LAYERS}
+        self.draft_names = {name for name in self.kv_caches if name not in target_names}
+        self.state = None
+        if setup.mamba:
+            from mamba_sim import StateForward
+
+            self.state = StateForward(
+                self.rank_kv_caches,
+                self.group_of,
+                self.vllm_config.cache_config.mamba_block_size,
+            )
         # Sliding-window layers: attention reads only the last `window` positions.
         self.windows: dict[str, int] = {}
         if setup.sliding_window is not None:
@@ -487,7 +537,7 @@ class SimEngine:
         digest = hashlib.blake2b(digest_size=16)
         for name, tensor in self.kv_caches.items():
             count = num_draft if name in self.draft_names else num_target
-            if count <= 0:
+            if count <= 0 or name in self.state_names:
                 continue
             window = self.windows.get(name)
             first = 0 if window is None else max(0, min(first_computed, count - 1) - window + 1)
@@ -531,6 +581,20 @@ class SimEngine:
         meta = sched_out.kv_connector_metadata
         if meta.loads:
             self.load_metas.append(meta)
+        pool = self.scheduler.kv_cache_manager.block_pool
+        for job in meta.stores:
+            for blocks in job.gpu_blocks:
+                # (ids past the pool are fault injection: the worker refuses those)
+                freed = [
+                    b
+                    for b in blocks
+                    if b < len(pool.blocks) and (b == 0 or not pool.blocks[b].ref_cnt)
+                ]
+                assert not freed, f"store {job.job_id} reads blocks vLLM freed: {freed}"
+        if self.state is not None:
+            self.state.forget(sched_out.finished_req_ids)
+            self.state.forget(sched_out.preempted_req_ids or ())
+            self.state.forget(sched_out.scheduled_cached_reqs.resumed_req_ids)
         for worker in self.workers:
             worker.bind_connector_metadata(meta)
             worker.handle_preemptions(meta)
@@ -541,7 +605,11 @@ class SimEngine:
             if sched_out.num_scheduled_tokens:
                 for name in self.kv_caches:
                     worker.wait_for_layer_load(name)
-        target_layers = [name for name in self.kv_caches if name not in self.draft_names]
+        target_layers = [
+            name
+            for name in self.kv_caches
+            if name not in self.draft_names and name not in self.state_names
+        ]
         draft_layers = [name for name in self.kv_caches if name in self.draft_names]
         later = self.draft_successors
         if self.setup.compute_s_per_token:
@@ -563,8 +631,12 @@ class SimEngine:
             for position in range(start, end):
                 layers = draft_layers if position < num_draft else []
                 self._write_position(request, position, tokens, target_layers + layers)
+            states = b""
+            if self.state is not None:
+                block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+                states = self.state.step(req_id, start, end, tokens, block_ids)
             if end >= len(tokens):
-                digest = self.read_kv_digest(req_id, end, num_draft, start)
+                digest = self.read_kv_digest(req_id, end, num_draft, start) + states
                 sampled[req_id] = next_token(tokens, digest)
                 position = len(tokens) - later  # its last successor is the sampled token
                 if later and 0 <= position < end:
@@ -619,6 +691,8 @@ class SimEngine:
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         bad = []
         for name, tensor in self.rank_kv_caches[rank].items():
+            if name in self.state_names:
+                continue  # no per-position KV: wrong_states checks the state
             group = self.group_of[name]
             block_size = self.block_size_of[group]
             computed = request.num_computed_tokens
@@ -673,7 +747,7 @@ class SimEngine:
         """Overwrite every GPU block: whatever a later request reads must be loaded."""
         for caches in self.rank_kv_caches:
             for tensor in caches.values():
-                tensor.fill_(-999.0)
+                tensor.fill_(-99 if tensor.dtype == torch.int8 else -999.0)
 
     def null_block_bytes(self, rank: int = 0) -> dict[str, bytes]:
         """Every layer's copy of vLLM's null block (block 0): vLLM's stand-in for

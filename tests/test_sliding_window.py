@@ -244,12 +244,13 @@ def test_a_hit_ending_where_units_lack_the_window_is_shortened(
     assert not build_unit_layout(eng.kv_cache_config, CHUNK).restorable(0, 3 * CHUNK - 2)
 
 
-@pytest.mark.parametrize("kind", ["mamba", "chunked_local"])
+@pytest.mark.parametrize("kind", ["mamba_none", "chunked_local"])
 def test_groups_it_cannot_restore_are_refused_at_start_by_type(
     model_dirs: tuple[Path, Path], kind: str
 ) -> None:
-    """A prefix-cached group that is not full or sliding-window attention (Mamba
-    state, chunked local attention) stops the engine at start, naming its type."""
+    """A group it cannot restore stops the engine at start: chunked local attention
+    named by its type, Mamba state outside vLLM's "align" mode by its mode (align
+    itself is restored: tests/test_mamba_state.py)."""
     from kv_sim import make_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.kv_cache_planning import (
@@ -273,15 +274,22 @@ def test_groups_it_cannot_restore_are_refused_at_start_by_type(
             block_size=16,
             shapes=((8, 32), (4, 64)),
             dtypes=(torch.float32, torch.float32),
-            mamba_cache_mode="align",  # vLLM prefix-caches its state at block boundaries
+            mamba_cache_mode="none",  # one running state per request, no boundary states
         )
-        if kind == "mamba"
+        if kind == "mamba_none"
         else ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64)
     )
     specs = {"model.layers.0.self_attn.attn": FullAttentionSpec(**shape), "model.layers.1.x": other}
     groups = get_kv_cache_groups(vllm_config, specs)
     config = get_kv_cache_config_from_groups(vllm_config, groups, 4096 * 100)
     assert other.prefix_cacheable
+    if kind == "mamba_none":
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(
+                ConfigError, match="group 1 \\(model.layers.1.x\\) has mamba_cache_mode='none'"
+            ):
+                DraftOffloadConnector(vllm_config, role, config)
+        return
     name = type(other).__name__
     with pytest.raises(ConfigError, match=f"group 1 \\(model.layers.1.x\\) holds {name}"):
         DraftOffloadConnector(vllm_config, KVConnectorRole.SCHEDULER, config)

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.geometry import (
     build_unit_layout,
+    check_state_groups,
     drafter_identity,
     hit_rules,
     target_identity,
@@ -79,6 +80,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = parse_config(transfer_config.kv_connector_extra_config)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ConfigError("DraftOffloadConnector does not support pipeline parallelism yet")
+        check_state_groups(kv_cache_config, self.config)
         self._scheduler: DraftOffloadScheduler | None = None
         self._worker: DraftOffloadWorker | None = None
         # vLLM 0.33 maps per-block load errors back to requests only with one

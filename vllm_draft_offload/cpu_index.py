@@ -31,6 +31,9 @@ class UnitEntry:
     slot: int
     ready: bool = False
     pins: int = 0
+    # Holds the Mamba / linear-attention state at its chunk's end (always True
+    # without such a group): a hit may end after this unit only if so.
+    has_state: bool = True
 
     @property
     def chunk_key(self) -> bytes:
@@ -85,7 +88,7 @@ class CpuTierIndex:
         if unit_id in self._entries:
             self._entries.move_to_end(unit_id)
 
-    def reserve(self, unit_id: UnitId) -> UnitEntry | None:
+    def reserve(self, unit_id: UnitId, has_state: bool = True) -> UnitEntry | None:
         """Take a slot for a unit about to be stored; None when all are busy, or
         while a dropped copy of the same unit is still in use."""
         if unit_id in self._entries:
@@ -94,7 +97,7 @@ class CpuTierIndex:
             return None
         if not self._free_slots and not self._evict_one():
             return None
-        entry = UnitEntry(unit_id, self._free_slots.pop())
+        entry = UnitEntry(unit_id, self._free_slots.pop(), has_state=has_state)
         self._entries[unit_id] = entry
         self._variants.setdefault(unit_id[0], []).append(unit_id)
         return entry

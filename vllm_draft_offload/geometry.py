@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_draft_offload.config import ConfigError, DraftOffloadConfig
-from vllm_draft_offload.windows import NULL_BLOCK, first_unit_page, group_reach, restore_pages
+from vllm_draft_offload.windows import (
+    NULL_BLOCK,
+    first_unit_page,
+    group_reach,
+    is_state_group,
+    restore_pages,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +62,9 @@ class GroupLayout:
     reach: int | None = None
     # The first page of its chunk a unit holds (0 for full attention).
     first_page: int = 0
+    # Mamba / linear-attention state ("align" mode): a unit holds the chunk's last
+    # page, the state at the chunk's end, when vLLM materialized one (windows.py).
+    state: bool = False
 
     @property
     def pages_per_unit(self) -> int:
@@ -88,6 +97,11 @@ class UnitLayout:
     def has_eagle_group(self) -> bool:
         return any(group.is_eagle_group for group in self.groups)
 
+    @property
+    def state_groups(self) -> tuple[int, ...]:
+        """Layout indices of the Mamba / linear-attention state groups."""
+        return tuple(g for g, group in enumerate(self.groups) if group.state)
+
     def add_unit_pages(
         self,
         host_pages: list[list[int]],
@@ -96,12 +110,27 @@ class UnitLayout:
         chunk: int,
         block_ids: tuple[list[int], ...],
         skip_freed: bool = False,
+        state_blocks: dict[int, int] | None = None,
     ) -> bool:
         """Pair every page a chunk's unit holds with its GPU block, per group (stores,
         compares). A page whose block vLLM has freed (its null block) cannot be copied:
-        the call adds nothing and returns False, or with `skip_freed` leaves that page out."""
+        the call adds nothing and returns False, or with `skip_freed` leaves that page out.
+
+        A state group's page is the block vLLM named for the state at the chunk's end
+        (`state_blocks`, by layout group index), never a position in the block table;
+        without one for every state group the unit holds no state (`unit_has_state`)."""
+        with_state = self.unit_has_state(state_blocks)
         pairs: list[list[tuple[int, int]]] = []
-        for group in self.groups:
+        for g, group in enumerate(self.groups):
+            if group.state:
+                row = []
+                if with_state:
+                    assert state_blocks is not None
+                    block = state_blocks[g]
+                    assert block != NULL_BLOCK, "vLLM named its null block as a state"
+                    row.append((group.host_page(slot, group.first_page), block))
+                pairs.append(row)
+                continue
             blocks = block_ids[group.group_id]
             row = []
             for page in range(group.first_page, group.blocks_per_chunk):
@@ -118,6 +147,11 @@ class UnitLayout:
             gpu_blocks[g] += [block for _, block in row]
         return True
 
+    def unit_has_state(self, state_blocks: dict[int, int] | None) -> bool:
+        """Whether a unit stored with these state blocks holds the state of every state
+        group (a layout without one: trivially)."""
+        return all(g in (state_blocks or {}) for g in self.state_groups)
+
     def add_restore_pages(
         self,
         host_pages: list[list[int]],
@@ -132,7 +166,13 @@ class UnitLayout:
         for a sliding-window group, only the blocks vLLM allocated (windows.py)."""
         for g, group in enumerate(self.groups):
             for page in restore_pages(
-                chunk, self.chunk_size, group.block_size, group.reach, first_token, end_token
+                chunk,
+                self.chunk_size,
+                group.block_size,
+                group.reach,
+                first_token,
+                end_token,
+                group.state,
             ):
                 host_pages[g].append(group.host_page(slot, page))
                 gpu_blocks[g].append(
@@ -143,11 +183,13 @@ class UnitLayout:
         """Whether units hold every page a restore of [first, end) writes, in every group."""
         if end_token <= first_token:
             return True
+        if self.state_groups and end_token % self.chunk_size:
+            return False  # a state exists only at a chunk's end (windows.py)
         chunks = range(first_token // self.chunk_size, -(-end_token // self.chunk_size))
         return all(
             not pages or pages.start >= group.first_page
             for group in self.groups
-            if group.first_page
+            if group.first_page and not group.state
             for chunk in chunks
             for pages in (
                 restore_pages(
@@ -167,6 +209,7 @@ class UnitLayout:
             "groups": [
                 [g.block_size, g.blocks_per_chunk, g.is_eagle_group]
                 + ([g.reach, g.first_page] if g.reach is not None else [])
+                + (["state", g.first_page] if g.state else [])
                 for g in self.groups
             ],
             "layers": [
@@ -195,6 +238,29 @@ def transferable_group_ids(kv_cache_config: KVCacheConfig) -> list[int]:
         and not group.host_resident
         and group.kv_cache_spec.prefix_cacheable
     ]
+
+
+def check_state_groups(kv_cache_config: KVCacheConfig, config: DraftOffloadConfig) -> None:
+    """Refuse, at start, what cannot carry a Mamba / linear-attention group's state
+    (and any Mamba mode but "align", naming it)."""
+    state_groups = [
+        group_id
+        for group_id in transferable_group_ids(kv_cache_config)
+        if is_state_group(group_id, kv_cache_config.kv_cache_groups[group_id])
+    ]
+    if not state_groups:
+        return
+    what = f"KV-cache group {state_groups[0]} holds Mamba / linear-attention state"
+    if config.l3.enabled:
+        raise ConfigError(
+            f"kv_connector_extra_config.l3: the storage tier does not carry Mamba / "
+            f"linear-attention state yet ({what}); turn it off for this model"
+        )
+    if config.audit_recompute_fraction > 0:
+        raise ConfigError(
+            f"kv_connector_extra_config.audit_recompute_fraction: the recompute audit "
+            f"compares per-token KV only ({what}); set it to 0 for this model"
+        )
 
 
 def is_draft_layer_name(name: str, draft_layer_names: frozenset[str]) -> bool:
@@ -229,7 +295,8 @@ def build_unit_layout(
         group = kv_cache_config.kv_cache_groups[group_id]
         spec = group.kv_cache_spec
         specs = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
-        reach = group_reach(group_id, group)  # refuses what we cannot restore
+        state = is_state_group(group_id, group)  # refuses Mamba modes we cannot restore
+        reach = None if state else group_reach(group_id, group)  # refuses the rest
         block_size = spec.block_size
         if chunk_size % block_size:
             raise ConfigError(
@@ -237,7 +304,7 @@ def build_unit_layout(
                 f"KV-cache group {group_id}'s block size {block_size}"
             )
         blocks_per_chunk = chunk_size // block_size
-        first_page = first_unit_page(chunk_size, block_size, reach, hit_slack)
+        first_page = first_unit_page(chunk_size, block_size, reach, hit_slack, state)
         for name in group.layer_names:
             if name not in page_by_layer:
                 raise ConfigError(f"KV layer {name!r} has no KV-cache tensor placement")
@@ -260,6 +327,7 @@ def build_unit_layout(
                 tuple(group.layer_names),
                 reach,
                 first_page,
+                state,
             )
         )
     if not layers:

@@ -34,6 +34,9 @@ class StoredUnitView:
 
     handle: object
     successors: tuple[int, ...]
+    # Holds the Mamba / linear-attention state at its chunk's end (always True
+    # without such a group): only there can a hit end (match_prefix's needs_state).
+    has_state: bool = True
 
 
 # (chunk_key, successors the request needs) -> (exact unit, or any other variant)
@@ -69,6 +72,7 @@ def match_prefix(
     lookup: Lookup,
     min_compute_tokens: int = 1,
     can_end: Callable[[int, int], bool] | None = None,
+    needs_state: bool = False,
 ) -> PrefixMatch:
     """Longest reusable prefix starting at `num_computed_tokens`.
 
@@ -76,7 +80,9 @@ def match_prefix(
     len(token_ids) - min_compute_tokens (>= 1) at the latest. `can_end(start, end)`
     says whether the units hold every page a restore of [start, end) needs (a
     sliding window reaches back from the end): if not, the hit ends at an
-    earlier chunk boundary where they do, never with holes.
+    earlier chunk boundary where they do, never with holes. `needs_state` (a Mamba /
+    linear-attention group): the hit ends exactly at the end of a unit that holds the
+    state there, the last such one at or before where it would end otherwise.
     """
     num_tokens = len(token_ids)
     limit = num_tokens - max(1, min_compute_tokens)
@@ -107,12 +113,16 @@ def match_prefix(
         match.end_token = limit
         # Drop units that no longer contribute a token.
         match.chunks = [(index, unit) for index, unit in match.chunks if index * chunk_size < limit]
-    while (
-        can_end is not None
-        and match.chunks
-        and match.end_token > num_computed_tokens
-        and not can_end(num_computed_tokens, match.end_token)
-    ):
+
+    def ends_well() -> bool:
+        if can_end is not None and not can_end(num_computed_tokens, match.end_token):
+            return False
+        if not needs_state:
+            return True
+        index, unit = match.chunks[-1]
+        return match.end_token == (index + 1) * chunk_size and unit.has_state
+
+    while match.chunks and match.end_token > num_computed_tokens and not ends_well():
         index, _ = match.chunks.pop()
         match.end_token = max(num_computed_tokens, index * chunk_size)
     if match.end_token <= num_computed_tokens:

@@ -41,6 +41,15 @@ def plan_load(
     # vLLM may have trimmed the hit to an end whose window the units do not hold
     # (never with our own hit ends): then nothing can be restored.
     restorable = layout.restorable(match.start_token, match.end_token)
+    if restorable and layout.state_groups:
+        # A Mamba group's state comes from the unit ending where the hit ends (a hit
+        # vLLM trimmed to elsewhere has none): else nothing can be restored.
+        ending = [
+            index.get(view.handle)  # type: ignore[arg-type]
+            for chunk, view in match.chunks
+            if (chunk + 1) * layout.chunk_size == match.end_token
+        ]
+        restorable = bool(ending) and ending[0] is not None and ending[0].has_state
     error_blocks: list[list[int]] = [[] for _ in range(groups)]
     for chunk, view in match.chunks:
         if chunk * layout.chunk_size >= match.end_token:

@@ -188,12 +188,12 @@ class DraftOffloadScheduler:
     ) -> tuple[StoredUnitView | None, StoredUnitView | None]:
         exact = self.index.get((chunk_key, successors))
         if exact is not None and exact.ready:
-            return StoredUnitView(exact.unit_id, successors), None
+            return StoredUnitView(exact.unit_id, successors, exact.has_state), None
         variants = self.index.ready_variants(chunk_key)
         if not variants:
             return None, None
         best = max(variants, key=lambda e: common_prefix_length(e.successors, successors))
-        return None, StoredUnitView(best.unit_id, best.successors)
+        return None, StoredUnitView(best.unit_id, best.successors, best.has_state)
 
     def _match(self, state: RequestState, num_computed_tokens: int) -> PrefixMatch:
         tokens = state.request.all_token_ids
@@ -207,6 +207,7 @@ class DraftOffloadScheduler:
             self._lookup,
             self.min_compute_tokens,
             can_end=self.layout.restorable,
+            needs_state=bool(self.layout.state_groups),
         )
 
     def get_num_new_matched_tokens(
@@ -286,6 +287,7 @@ class DraftOffloadScheduler:
         req_id = state.request.request_id
         # Freed sliding-window blocks a unit still needs are read where they are held.
         block_ids = self.pins.block_table(req_id, block_ids)
+        state_blocks = self.pins.state_blocks(req_id) if self.layout.state_groups else None
         plan = plan_request_stores(
             self.index,
             self.layout,
@@ -298,6 +300,7 @@ class DraftOffloadScheduler:
             block_ids,
             # No slot for a store: a queued L3 write gives its slot back once confirmed.
             on_full=self.l3_writes.relieve if self.l3_writes is not None else None,
+            state_blocks=state_blocks,
         )
         if plan.window_lost:
             self.pins.give_up(req_id)
@@ -355,6 +358,12 @@ class DraftOffloadScheduler:
                 loads=bool(meta.loads),
             )
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        self.pins.take_state_offers(
+            getattr(scheduler_output, "kv_connector_block_state", None),
+            lambda req_id: (
+                state.next_store_chunk if (state := self._requests.get(req_id)) else None
+            ),
+        )
         loading = blocks_being_loaded(meta.loads)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)

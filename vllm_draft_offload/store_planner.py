@@ -57,9 +57,14 @@ def plan_stores(
     num_successors: int,
     block_ids: tuple[list[int], ...],
     on_full: Callable[[], None] | None = None,
+    state_blocks: dict[int, dict[int, int]] | None = None,
 ) -> StorePlan:
     """Reserve slots for chunks [first_chunk, limit) in order, stopping at the first
-    chunk that cannot be stored now (`on_full` is told when that is for want of a slot)."""
+    chunk that cannot be stored now (`on_full` is told when that is for want of a slot).
+
+    `state_blocks`: per chunk, the blocks vLLM named as holding each Mamba group's
+    state at the chunk's end (by layout group index); a unit without them holds no
+    state, and one that has them replaces a stored copy that holds none."""
     chunk_size = layout.chunk_size
     plan = StorePlan(
         first_chunk,
@@ -71,21 +76,39 @@ def plan_stores(
         chunk_end = (chunk + 1) * chunk_size
         successors = tuple(tokens[chunk_end : chunk_end + num_successors])
         unit_id: UnitId = (keys[chunk], successors)
-        if index.get(unit_id) is not None:
+        chunk_states = (state_blocks or {}).get(chunk)
+        has_state = layout.unit_has_state(chunk_states)
+        existing = index.get(unit_id)
+        # A stored copy without the state that this one has is replaced (its end becomes
+        # a place a hit can end) when nothing uses it and this one can be stored now.
+        replace = (
+            existing is not None
+            and has_state
+            and not existing.has_state
+            and existing.ready
+            and not existing.pins
+        )
+        others = [e for e in index.ready_variants(keys[chunk]) if e.unit_id != unit_id]
+        # Unit pages whose blocks vLLM has freed (and nobody holds): none can be copied.
+        probe: list[list[int]] = [[] for _ in layout.groups]
+        copyable = layout.add_unit_pages(
+            probe, [[] for _ in layout.groups], 0, chunk, block_ids, state_blocks=chunk_states
+        )
+        if existing is not None and not (replace and copyable and not others):
             index.touch(unit_id)
             plan.next_chunk = chunk + 1
             continue
-        if index.ready_variants(keys[chunk]) and chunk_end + chunk_size > len(tokens):
+        if others and chunk_end + chunk_size > len(tokens):
             # Another successor variant exists and this request has no further
             # chunk to reuse behind it (yet): a copy would buy one token. Wait:
             # once the request grows a further chunk, this one is worth storing.
             break
-        # Unit pages whose blocks vLLM has freed (and nobody holds): none can be copied.
-        probe: list[list[int]] = [[] for _ in layout.groups]
-        if not layout.add_unit_pages(probe, [[] for _ in layout.groups], 0, chunk, block_ids):
+        if not copyable:
             plan.window_lost = True
             break
-        entry = index.reserve(unit_id)
+        if existing is not None:
+            index.remove(unit_id)
+        entry = index.reserve(unit_id, has_state)
         if entry is None:
             if on_full is not None:
                 on_full()
@@ -96,7 +119,14 @@ def plan_stores(
         plan.l3_units.append(
             PlannedUnit(unit_id, entry.slot, chunk, keys[chunk - 1] if chunk else None)
         )
-        layout.add_unit_pages(plan.host_pages, plan.gpu_blocks, entry.slot, chunk, block_ids)
+        layout.add_unit_pages(
+            plan.host_pages,
+            plan.gpu_blocks,
+            entry.slot,
+            chunk,
+            block_ids,
+            state_blocks=chunk_states,
+        )
     return plan
 
 
@@ -111,6 +141,7 @@ def plan_request_stores(
     config: DraftOffloadConfig,
     block_ids: tuple[list[int], ...],
     on_full: Callable[[], None] | None = None,
+    state_blocks: dict[int, dict[int, int]] | None = None,
 ) -> StorePlan:
     """Store plan of one request for this step: chunks from `next_chunk` whose KV is
     complete by the end of the step and whose successor tokens are known."""
@@ -143,6 +174,7 @@ def plan_request_stores(
         num_successors,
         block_ids,
         on_full,
+        state_blocks,
     )
 
 

@@ -17,6 +17,13 @@ one to store on, so a stalled store (a full tier) never holds more than that man
 chunks' windows out of vLLM's pool; a chunk past that whose pages are freed is
 simply not stored, and nothing after it either (a lookup could not reach it). A
 planned store job holds every window block it reads, for as long as it runs.
+
+A Mamba / linear-attention group's state at a chunk's end is held the same way,
+from the step vLLM names its block (``boundary_state_offloads``, see
+docs/hybrid.md) until the unit's store has read it: vLLM frees that block a step
+or two later (``MambaManager.remove_skipped_blocks``), often before the chunk's
+successor tokens are known. At most ``MAX_CHUNKS`` chunks from the next one to
+store keep a held state; a chunk past that is stored without one.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.windows import NULL_BLOCK
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import KVConnectorBlockState
 
 # Chunks per request whose window pages are held ahead of its next store.
 MAX_CHUNKS = 4
@@ -49,8 +59,53 @@ class WindowPins:
 
     @property
     def active(self) -> bool:
-        """Whether some group has a sliding window (vLLM frees its blocks early)."""
-        return any(group.reach is not None for group in self.layout.groups)
+        """Whether some group has a sliding window or state (vLLM frees its blocks early)."""
+        return any(group.reach is not None or group.state for group in self.layout.groups)
+
+    def take_state_offers(
+        self, block_state: KVConnectorBlockState | None, next_chunk: Callable[[str], int | None]
+    ) -> None:
+        """Hold the blocks vLLM names this step as holding a Mamba group's state at one
+        of our chunk ends (``boundary_state_offloads``: exact block ids, complete once
+        this step's forward ran; docs/hybrid.md). `next_chunk`: a request's next chunk
+        to store (None: not one we store)."""
+        layout = self.layout
+        state_groups = {layout.groups[g].group_id: g for g in layout.state_groups}
+        if not state_groups or block_state is None or self.pool is None:
+            return
+        for req_id, offers in block_state.boundary_state_offloads.items():
+            first = next_chunk(req_id)
+            if first is None:
+                continue
+            for group_id, block_id, boundary in offers:
+                g = state_groups.get(group_id)
+                if g is None or boundary <= 0 or boundary % layout.chunk_size:
+                    continue  # not one of our chunk ends (a sub-block tail, say)
+                chunk = boundary // layout.chunk_size - 1
+                if chunk >= first:
+                    self.offer(req_id, chunk, g, self.pool.blocks[block_id])
+
+    def offer(self, req_id: str, chunk: int, g: int, block: KVCacheBlock) -> None:
+        """vLLM named `block` as holding state group `g`'s state at `chunk`'s end for
+        `req_id` (this step's forward completes it): hold it for the chunk's store."""
+        if self.pool is None or req_id in self._given_up:
+            return
+        group = self.layout.groups[g]
+        key = (g, chunk * group.blocks_per_chunk + group.first_page)
+        pins = self._pins.setdefault(req_id, {}).setdefault(chunk, {})
+        if key in pins:
+            return
+        self.pool.touch([block])
+        pins[key] = block
+
+    def state_blocks(self, req_id: str) -> dict[int, dict[int, int]]:
+        """Per chunk, the held state blocks by layout group index."""
+        found: dict[int, dict[int, int]] = {}
+        for chunk, pins in self._pins.get(req_id, {}).items():
+            for (g, _), block in pins.items():
+                if self.layout.groups[g].state:
+                    found.setdefault(chunk, {})[g] = block.block_id
+        return found
 
     def bind(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -122,6 +177,10 @@ class WindowPins:
             taken += pins.values()
         passed = [chunk for chunk in chunks if chunk < next_chunk]
         self.release(block for chunk in passed for block in chunks.pop(chunk).values())
+        for chunk, pins in chunks.items():
+            if chunk >= next_chunk + MAX_CHUNKS:  # a stalled request holds no more states
+                far = [key for key in pins if self.layout.groups[key[0]].state]
+                self.release(pins.pop(key) for key in far)
         return taken
 
     def give_up(self, req_id: str) -> None:

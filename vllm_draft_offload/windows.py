@@ -17,6 +17,11 @@ unit ``k`` holds the pages of its chunk covering ``[E - hit_slack - reach, E)``:
 every hit can then be restored, and the rest of the chunk, out of every window a
 restore needs, is neither stored nor expected. A group without a window (full
 attention) holds every page.
+
+A Mamba / linear-attention group (``MambaSpec``, vLLM's "align" cache mode) holds
+no per-token KV but one state per block boundary that vLLM materialized; unit
+``k`` holds that group's state at its chunk's end, when vLLM computed one there
+(docs/hybrid.md): ``group_kind`` says which kind a group is.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ if TYPE_CHECKING:
 
 # Why a prefix-cached group type cannot be restored (the refusal names it).
 UNSUPPORTED = {
-    "MambaSpec": "Mamba / linear-attention state, not per-token KV",
     "ChunkedLocalAttentionSpec": "chunked local attention frees blocks by attention chunk",
     "RSWASpec": "R-SWA frees blocks between the prompt and the decode window",
 }
@@ -41,13 +45,49 @@ UNSUPPORTED = {
 NULL_BLOCK = 0
 
 
+# What a Mamba group's mamba_cache_mode lacks (docs/hybrid.md has the evidence).
+MAMBA_MODE_REFUSALS = {
+    "none": (
+        "vLLM keeps one running state per request there, updated in place every step, "
+        "and no state at any block boundary (MambaManager, vLLM's prefix caching off), "
+        "so there is no state at a chunk's end to store or to restore; enable prefix "
+        "caching, which makes vLLM use mamba_cache_mode='align'"
+    ),
+}
+
+
+def is_state_group(group_id: int, group: KVCacheGroupSpec) -> bool:
+    """Whether a group holds Mamba / linear-attention state (one page per block
+    boundary, "align" mode) rather than per-token KV.
+
+    Raises ConfigError naming the mode for a Mamba group in any other mode.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec = group.kv_cache_spec
+    if not isinstance(spec, MambaSpec):
+        return False
+    mode = spec.mamba_cache_mode
+    if mode != "align":
+        why = MAMBA_MODE_REFUSALS.get(
+            mode, "only the 'align' mode keeps a state per block boundary that a restore can use"
+        )
+        raise ConfigError(
+            f"DraftOffloadConnector restores Mamba / linear-attention state only in "
+            f"mamba_cache_mode='align'; KV-cache group {group_id} "
+            f"({', '.join(group.layer_names[:3])}{', ...' if len(group.layer_names) > 3 else ''}"
+            f") has mamba_cache_mode={mode!r}: {why}"
+        )
+    return True
+
+
 def group_reach(group_id: int, group: KVCacheGroupSpec) -> int | None:
     """Tokens before a position whose KV a restore of this group needs (None: all).
 
     Raises ConfigError for prefix-cached groups we cannot restore correctly,
-    naming the spec type: state that is not per-token KV (Mamba and other
-    linear-attention state), and attention that frees blocks by another rule than
-    a sliding window (chunked local attention, R-SWA).
+    naming the spec type: attention that frees blocks by another rule than a
+    sliding window (chunked local attention, R-SWA), and any other type but a Mamba
+    group (is_state_group handles those).
     """
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -86,8 +126,13 @@ def group_reach(group_id: int, group: KVCacheGroupSpec) -> int | None:
     return max(reach for reach in reaches if reach is not None)
 
 
-def first_unit_page(chunk_size: int, block_size: int, reach: int | None, hit_slack: int) -> int:
-    """The first page of its chunk a unit holds for a group."""
+def first_unit_page(
+    chunk_size: int, block_size: int, reach: int | None, hit_slack: int, state: bool = False
+) -> int:
+    """The first page of its chunk a unit holds for a group (a state group: the
+    chunk's last block, whose state is the one at the chunk's end)."""
+    if state:
+        return chunk_size // block_size - 1
     if reach is None:
         return 0
     return max(0, (chunk_size - hit_slack - reach) // block_size)
@@ -100,8 +145,15 @@ def restore_pages(
     reach: int | None,
     start_token: int,
     end_token: int,
+    state: bool = False,
 ) -> range:
     """Pages of `chunk` a restore of [start_token, end_token) writes: those vLLM
-    allocates real blocks for (every page of the range, for a group without a window)."""
+    allocates real blocks for (every page of the range, for a group without a window;
+    for a state group, the chunk's last page when the restore ends at its end: vLLM
+    allocates one block for the state, at index end // block_size - 1)."""
+    if state:
+        last = chunk_size // block_size - 1
+        chunk_end = (chunk + 1) * chunk_size
+        return range(last, last + 1) if start_token < end_token == chunk_end else range(0)
     first = start_token if reach is None else max(start_token, end_token - reach)
     return pages_for_chunk(chunk, chunk_size, block_size, first, end_token)
