@@ -82,6 +82,7 @@ def test_fixture_is_built_with_its_meta_and_mtp_weights(fixture_dir: Path) -> No
     assert cfg["num_nextn_predict_layers"] == 1
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert cfg["num_experts_per_tok"] == cfg["num_experts"] >= 4
+    assert cfg["dtype"] == "float32"  # the tiny preset's (bfloat16 for gpu)
     names = load_file(fixture_dir / "model.safetensors").keys()
     mtp = {n for n in names if n.startswith("mtp.")}
     assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= mtp
