@@ -209,3 +209,34 @@ def test_vllm_raises_a_smaller_block_size_to_hold_the_state(
     cache = cfg.cache_config
     assert cache.block_size > 32 and cache.block_size == cache.mamba_block_size
     assert cache.block_size <= _meta(fixture_dir)["block_size"]
+
+
+@pytest.mark.e2e
+def test_e2e_connector_restores_gated_deltanet_state_without_a_drafter(
+    fixture_dir: Path, tmp_path: Path
+) -> None:
+    """Real vLLM on CPU, align mode, DraftOffloadConnector: the restored phase's prefix
+    (attention KV and the Gated-DeltaNet state at its end) comes from the connector,
+    and the outputs equal the fresh prefill's. No drafter: vLLM's CPU build cannot run
+    align mode's speculative state copy (a Triton kernel); the MTP run is the GPU's."""
+    from vllm_draft_offload.bench.accept.schema import AcceptCheckResult
+
+    block = _meta(fixture_dir)["block_size"]
+    ours = {
+        "kv_connector": "DraftOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 200_000_000, "chunk_size": block},
+    }
+    out = tmp_path / "result.json"
+    args = ["--model", str(fixture_dir), "--spec-method", "none", "--block-size", str(block)]
+    args += ["--num-prompts", "2", "--max-tokens", "16", "--enforce-eager", "--out", str(out)]
+    rc = cli.main(["accept", *args, "--kv-transfer-config", json.dumps(ours)])
+    res = AcceptCheckResult.model_validate_json(out.read_text())
+    assert rc == 0 and res.error is None, res.error
+    fresh, restored, _ = res.phases
+    hits = [r.num_cached_tokens for r in restored.requests]
+    # a hit ends at a block boundary where vLLM kept a state (the prompt's checkpoint)
+    assert all(h and h % block == 0 for h in hits), hits
+    assert restored.cached_tokens_by_source.get("device", 0) == 0  # prefix cache was reset
+    assert restored.counters["vllm:draft_offload_loaded_bytes"] > 0
+    assert res.summary.all_outputs_match
