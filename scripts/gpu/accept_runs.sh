@@ -9,6 +9,8 @@
 # two engines per run, each with ACCEPT_TIMEOUT; storage in a temp dir, removed after).
 # METHOD mtp: DRAFT is the MTP fixture (it is the model); k is the fixture's own.
 # ACCEPT_ARGS: more `accept` flags for every run, e.g. "--prompt-tokens 32000" (the gpu fixtures hold 32768 positions).
+# OURS_EXTRA: more kv_connector_extra_config fields for ours/diverge/ours_l3, as a JSON
+# fragment with a leading comma, e.g. ',"chunk_size":128' (hybrid-mtp: its block size).
 # JOBS>1 runs that many engines side by side on one GPU.  Each then gets a fixed
 # KV-cache size (kv_cache_memory_bytes), because vLLM's memory profiling fails when
 # another process allocates or frees GPU memory while it measures.  Acceptance
@@ -21,7 +23,7 @@ JOBS=${JOBS:-1}
 mkdir -p "$OUT"
 CPU=${ACCEPT_CPU_BYTES:-2000000000}
 declare -A KV=(
-  [ours]='{"kv_connector":"DraftOffloadConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":'$CPU'}}'
+  [ours]='{"kv_connector":"DraftOffloadConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":'$CPU${OURS_EXTRA:-}'}}'
   [native]='{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":'$CPU'}}'
   [lmcache]='{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'
   [none]='none'

@@ -10,6 +10,9 @@
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
 #   pressure  the pressure run with per-token margins: /root/pressure
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart
+#   hybrid    build /root/fx-hybrid (hybrid-mtp: Qwen3-Next-shaped, Mamba state in
+#             vLLM's align mode, random MTP layer), then its acceptance runs one engine
+#             at a time, prefix_cache_retention_interval 0 and None: /root/acc-hybrid
 #   collect   logs, fixture indexes, tables and tarballs of the results into $OUT
 # Long phases run in the background: poll, then `collect` in the call that sees them end.
 set -uo pipefail
@@ -57,24 +60,28 @@ pressure)
 l3)
   bg l3 "vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
     --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json; echo l3-done" ;;
+hybrid)
+  bg hybrid "bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
+  sleep 5; tail -n 3 "$L/hybrid.log" ;;
 collect)
   : "${OUT:?collect writes into \$OUT}"
   cp "$L"/*.log "$OUT"/ 2>/dev/null
-  for d in fx fx-mtp fx-swa; do
+  for d in fx fx-mtp fx-swa fx-hybrid; do
     [ -f "/root/$d/fixtures.json" ] && cp "/root/$d/fixtures.json" "$OUT/$d-index.json"
     for m in /root/$d/*/fixture_meta.json; do
       [ -f "$m" ] && cp "$m" "$OUT/$d-$(basename "$(dirname "$m")")-meta.json"
     done
   done
-  for d in acc-mtp acc-swa acc-l3 acc-32k; do
+  for d in acc-mtp acc-swa acc-l3 acc-32k acc-hybrid/r0 acc-hybrid/rnone; do
     [ -d "/root/$d" ] || continue
-    vllm-draft-offload table "/root/$d" > "$OUT/$d-table.md" 2>&1
-    tar -czf "$OUT/$d.tgz" -C /root "$d"
+    n=${d//\//-}
+    vllm-draft-offload table "/root/$d" > "$OUT/$n-table.md" 2>&1
+    tar -czf "$OUT/$n.tgz" -C /root "$d"
   done
   [ -d /root/serve ] && tar -czf "$OUT/serve.tgz" -C /root serve
   [ -d /root/pressure ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$OUT"/
   [ -f /root/restore_speed_l3.json ] && cp /root/restore_speed_l3.json "$OUT"/
   ls -la "$OUT" ;;
 *)
-  sed -n '2,14p' "$0"; exit 2 ;;
+  sed -n '2,17p' "$0"; exit 2 ;;
 esac
