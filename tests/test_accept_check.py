@@ -355,10 +355,10 @@ def test_probe_picks_only_prefix_cache_blocks_of_opted_in_requests() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_draft_offload.bench.fixtures.build import build_fixtures
+    from vllm_draft_offload.bench.fixtures.build import FIXTURES, build_fixtures
 
     out = tmp_path_factory.mktemp("tiny_fixtures")
-    build_fixtures(out, seed=0, preset_name="tiny", max_steps=3, log=lambda _s: None)
+    build_fixtures(out, seed=0, preset_name="tiny", max_steps=3, log=lambda _s: None, only=FIXTURES)
     return out
 
 

@@ -258,10 +258,10 @@ def test_table_column_ours_storage_restart(example: AcceptCheckResult, tmp_path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_draft_offload.bench.fixtures.build import build_fixtures
+    from vllm_draft_offload.bench.fixtures.build import FIXTURES, build_fixtures
 
     out = tmp_path_factory.mktemp("tiny_fixtures")
-    build_fixtures(out, seed=0, preset_name="tiny", max_steps=3, log=lambda _s: None)
+    build_fixtures(out, seed=0, preset_name="tiny", max_steps=3, log=lambda _s: None, only=FIXTURES)
     return out
 
 

@@ -326,10 +326,10 @@ def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path
 
 @pytest.fixture(scope="module")
 def tiny_fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_draft_offload.bench.fixtures.build import build_fixtures
+    from vllm_draft_offload.bench.fixtures.build import FIXTURES, build_fixtures
 
     out = tmp_path_factory.mktemp("fx")
-    build_fixtures(out, seed=0, preset_name="tiny", max_steps=2, log=lambda _s: None)
+    build_fixtures(out, seed=0, preset_name="tiny", max_steps=2, log=lambda _s: None, only=FIXTURES)
     return out
 
 

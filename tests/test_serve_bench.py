@@ -319,7 +319,7 @@ def test_serve_bench_dry_run_cpu_end_to_end(tmp_path: Path) -> None:
     fx = tmp_path / "fx"
     made = subprocess.run(
         [sys.executable, "-m", "vllm_draft_offload.bench", "fixtures", "--out", str(fx),
-         "--preset", "tiny", "--max-steps", "2"],
+         "--preset", "tiny", "--max-steps", "2", "--only", "target"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
