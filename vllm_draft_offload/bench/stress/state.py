@@ -83,9 +83,10 @@ _looked_for_scheduler = False
 
 
 def _find_scheduler_half() -> Any | None:
-    """The scheduler half of this process's connector (it lives in the EngineCore
-    process, where a single-GPU engine's worker runs too), found once by a scan of the
-    garbage collector's objects and then held weakly. None in a TP worker process."""
+    """The scheduler half of this process's connector, found once by a scan of the
+    garbage collector's objects and then held weakly. It lives in the EngineCore
+    process, where vLLM runs the worker of a one-GPU engine too (the `uni` executor);
+    None in a worker process of its own (tensor parallelism, vLLM's CPU platform)."""
     global _scheduler_half, _looked_for_scheduler
     if _scheduler_half is not None:
         return _scheduler_half()
