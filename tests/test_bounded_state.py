@@ -125,7 +125,7 @@ class Faults:
             meta = build(scheduler_output)
             stores = [job for job in meta.stores if job.gpu_blocks[0]]
             self.store_steps += bool(stores)
-            if stores and self.store_steps % 20 == 0:
+            if stores and self.store_steps % 10 == 0:
                 stores[0].gpu_blocks[0][0] = 10**6  # no such block: store_error
                 self.met["bad store"] += 1
             self.load_steps += bool(meta.loads)
@@ -244,7 +244,7 @@ VARIANTS = {
         {"eagle": True, "sliding_window": 32, "compute_s_per_token": 2e-5, "num_gpu_blocks": 24},
         {"audit": True},
         {"hit_policy": "cost"},
-        (30, 90),  # the simulator reads every window position: slower per request
+        (25, 75),  # slower per request: window reads, waits on storage lookups
     ),
 }
 
