@@ -232,6 +232,25 @@ def test_concurrent_callers_get_their_own_bytes(any_store: tuple[str, L3Store]) 
     assert store.staging_in_use() == 0
 
 
+def test_calls_leave_nothing_behind_in_lmcache(any_store: tuple[str, L3Store]) -> None:
+    """LMCache's connectors record every put's time in a process-wide stats monitor that
+    only LMCache's own engine drains; the store runs them without it, so a long-running
+    server must not collect one entry per write there (nor anything else per call)."""
+    from lmcache.observability import LMCStatsMonitor
+
+    from vllm_draft_offload.bench.stress.state import container_sizes
+
+    _, store = any_store
+    rng = random.Random(4)
+    before = container_sizes(LMCStatsMonitor.GetOrCreate(), "lmcache")
+    for _ in range(20):
+        key = new_key(rng)
+        store.put(key, rng.randbytes(4096))
+        assert store.contains(key) and store.get(key) is not None
+    assert container_sizes(LMCStatsMonitor.GetOrCreate(), "lmcache") == before
+    assert store.staging_in_use() == 0
+
+
 def test_stored_bytes_are_ours_unchanged_so_a_truncated_unit_is_caught_by_the_codec(
     any_store: tuple[str, L3Store],
 ) -> None:

@@ -149,3 +149,20 @@ def test_planner_invariants(steps: list[tuple]) -> None:
     # Each unit handed to the planner ends written, skipped (already written or
     # queued) or counted as lost, once.
     assert len(sim.planner.written) + lost + sim.skipped == sim.planned_units
+
+
+def test_unit_dropped_while_its_write_is_queued_gets_its_slot_back() -> None:
+    """A unit dropped while its L3 write still pins it (a failed load of it, the recompute
+    audit, a cache reset) keeps its slot only until that write lets go of it."""
+    for drop in ("remove", "discard"):
+        sim = Sim()
+        sim.plan(prompt=5, count=2)
+        (write_id, _), *_ = sorted(sim.orders.items())
+        order = sim.orders[write_id][0]
+        unit_id = (order.chunk_key, order.successors)
+        getattr(sim.index, drop)(unit_id)
+        assert sim.index.num_doomed == 1  # hidden at once, slot still held
+        for rank in range(RANKS):
+            sim.report(write_id, rank, ok=True)
+        assert sim.index.num_doomed == 0, drop
+        assert order.slot in sim.index._free_slots

@@ -380,6 +380,17 @@ def _soak(fx: Path, out: Path, backend: str, baseline_s: str) -> dict[str, Any]:
     m = s["memory"]
     assert m["samples"] >= 3 and m["pool_min"] == m["pool_max"] <= data["cpu_bytes"]
     assert m["rss_max"] >= m["rss_start"] > 0
+    assert m["rss_driver"][0] > 0 and m["rss_engine"][1] is not None
+    # the connector's containers counted, at the start and at the end at least (the
+    # scheduler half's too where the worker runs in the EngineCore process: one GPU;
+    # vLLM's CPU platform runs its worker in a process of its own)
+    counted = [x["state"] for x in ours["samples"] if "state" in x]
+    assert len(counted) >= 2, [x.get("state_error") for x in ours["samples"]]
+    assert counted[-1]["worker.stats.data"] > 0  # the worker half: its stats sections
+    assert any(path.startswith("worker.l3.store.") for path in counted[-1])  # and LMCache's
+    # the driver keeps the tokens of the replay sample only (not every request's prompt)
+    sample = ours["replay_sample"]
+    assert ours["tokens_kept"] == sum(len(x["prompt"]) + len(x["output"]) for x in sample)
     assert s["hit_rate"] and {"t", "cpu", "l3", "external", "gpu"} <= set(s["hit_rate"][0])
     assert s["hits"]["external_hit_tokens"] > 0
     assert s["ttft"]["ours"]["n"] == s["requests"]["total"] and s["ttft"]["ours"]["p99_s"] > 0

@@ -117,14 +117,17 @@ class CpuTierIndex:
         self._entries[unit_id].pins += 1
         self.touch(unit_id)
 
-    def unpin(self, unit_id: UnitId) -> None:
+    def unpin(self, unit_id: UnitId, slot: int | None = None) -> None:
+        """Drop one pin, also of a unit dropped meanwhile (its slot is freed with the
+        last pin). With `slot`, only the copy in that slot."""
         doomed = self._doomed.get(unit_id)
         if doomed is not None:
-            doomed.pins = max(0, doomed.pins - 1)
-            self._release_doomed(doomed)
+            if slot is None or doomed.slot == slot:
+                doomed.pins = max(0, doomed.pins - 1)
+                self._release_doomed(doomed)
             return
         entry = self._entries.get(unit_id)
-        if entry is not None and entry.pins > 0:
+        if entry is not None and entry.pins > 0 and (slot is None or entry.slot == slot):
             entry.pins -= 1
 
     def rekey(self, old: UnitId, new: UnitId) -> bool:

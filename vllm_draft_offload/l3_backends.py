@@ -38,6 +38,11 @@ LMCache 0.5.6 behaviours this module works around (verified in the installed sou
   a socket timeout, and the store serializes every lm:// call.
 * LMCache 0.5.6's Mooncake-store connector cannot ``get`` one key, misreads ``exists``
   errors and ignores refused puts; see ``l3_connector_fixes.checked_mooncake_calls``.
+* ``InstrumentedRemoteConnector`` (the wrapper ``CreateConnector`` returns) appends every
+  put's duration to a list in LMCache's process-wide ``LMCStatsMonitor``, which only
+  LMCache's own engine empties (its stats logger, not running here): standalone, one
+  entry per unit written, for good. ``l3_connector_fixes.without_stats_monitor`` gives
+  the wrapper a monitor that keeps nothing.
 * ``FSConnector.get`` returns None for any read error (a truncated file, say). The store
   tells those apart from misses with a follow-up ``exists``.
 * The ``fs://`` adapter needs a host:port (``fs:///p`` fails an assertion), so we rewrite
@@ -83,6 +88,7 @@ from vllm_draft_offload.l3_connector_fixes import (
     atomic_redis_pairs,
     checked_mooncake_calls,
     unique_fs_temp_names,
+    without_stats_monitor,
 )
 
 logger = logging.getLogger(__name__)
@@ -340,6 +346,7 @@ def create_connector(
         settings.url, loop, backend, cfg, metadata, plugin_name=settings.plugin_name
     )
     conn.post_init()
+    without_stats_monitor(conn)
     inner = inner_connector(conn)
     if isinstance(inner, FSConnector):
         unique_fs_temp_names(inner)

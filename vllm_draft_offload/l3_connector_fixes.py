@@ -13,6 +13,7 @@ import itertools
 import os
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
@@ -23,6 +24,31 @@ from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
 from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
 
 _TEMP_COUNTER = itertools.count()
+
+
+def _ignore(*_args: object, **_kwargs: object) -> None:
+    return None
+
+
+class _NoStats:
+    """What ``InstrumentedRemoteConnector`` asks of LMCache's stats monitor, keeping
+    nothing: its ``update_*`` calls do nothing, and no retrieve is being tracked."""
+
+    def get_current_retrieve_stats(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name.startswith("update_"):
+            return _ignore
+        raise AttributeError(name)
+
+
+def without_stats_monitor(conn: RemoteConnector) -> None:
+    """Stop the connector's wrapper from feeding LMCache's process-wide stats monitor
+    (see the l3_backends docstring): one float per put, kept until LMCache's own engine,
+    which does not run here, reads them."""
+    if hasattr(conn, "_stats_monitor"):
+        conn._stats_monitor = _NoStats()  # type: ignore[attr-defined]
 
 
 def unique_fs_temp_names(conn: FSConnector) -> None:

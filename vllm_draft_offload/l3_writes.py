@@ -236,10 +236,10 @@ class L3WritePlanner:
         if not write.pinned:
             return
         write.pinned = False
-        entry = self.index.get(write.unit_id)
-        # The slot check keeps us from unpinning a later unit of the same identity.
-        if entry is not None and entry.slot == write.order.slot:
-            self.index.unpin(write.unit_id)
+        # Also when the unit was dropped meanwhile (a failed load of it, the recompute
+        # audit, a reset): its slot is freed only with its last pin. The slot check
+        # keeps us from unpinning a later unit of the same identity.
+        self.index.unpin(write.unit_id, slot=write.order.slot)
 
     def _finish(self, write: _Write) -> None:
         self.last_progress = time.monotonic()

@@ -7,7 +7,7 @@
   deadline and a request count; an exception of the engine is recorded as a crash.
 * `connector_memory`: runs on every worker through ``collective_rpc`` and reads the
   connector's host pool and storage-tier buffers.
-* `process_tree_rss`: resident memory of this process and its children (EngineCore).
+* `process_tree_rss`: resident memory of this process and of its children (EngineCore).
 
 Importing this module has no side effects; vLLM is imported inside the functions.
 """
@@ -30,8 +30,8 @@ class Finished:
     stream: int
     seq: int  # submission order over all streams
     kind: str
-    prompt: list[int]
-    output: list[int]
+    prompt: list[int] | None  # None unless the driver was asked to keep it
+    output: list[int] | None
     record: dict[str, Any]  # workloads.worker.request_record(...)
     submit_t: float  # seconds since the driver started
     end_t: float
@@ -65,8 +65,14 @@ class StreamDriver:
         on_tick: Callable[[float], None] | None = None,
         tick_s: float = 1.0,
         logprobs: int | None = None,
+        keep_prompt: Callable[[int], bool] = lambda _seq: True,
+        keep_output: Callable[[int], bool] = lambda _seq: True,
     ) -> None:
         # streams[i](last_output) -> next (kind, prompt, max_tokens), or None when done
+        # keep_prompt / keep_output(seq): whether Finished keeps that request's tokens. A
+        # soak runs ~30 requests a second of up to 16k tokens each: keeping every prompt
+        # grows this process by about 8 bytes a token (18k requests: 0.9 GB).
+        self.keep_prompt, self.keep_output = keep_prompt, keep_output
         self.llm = llm
         self.streams = streams
         self.deadline_s = deadline_s
@@ -138,8 +144,8 @@ class StreamDriver:
                             stream,
                             s,
                             kind,
-                            prompt,
-                            tokens,
+                            prompt if self.keep_prompt(s) else None,
+                            tokens if self.keep_output(s) else None,
                             request_record(out, None),
                             sub_t,
                             time.perf_counter() - t0,
@@ -207,23 +213,44 @@ def connector_memory(worker: Any) -> dict[str, Any]:
     return out
 
 
-def process_tree_rss() -> int:
-    """RSS of this process plus its children (the EngineCore/worker processes on a GPU)."""
+def process_tree_rss() -> tuple[int, int]:
+    """RSS of this process (the driver: vLLM's frontend and what the run keeps) and of
+    its children (the EngineCore/worker processes on a GPU, where the connector lives)."""
     import psutil
 
     me = psutil.Process()
-    total = me.memory_info().rss
+    children = 0
     for child in me.children(recursive=True):
         try:
-            total += child.memory_info().rss
+            children += child.memory_info().rss
         except psutil.Error:
             continue
-    return int(total)
+    return int(me.memory_info().rss), int(children)
 
 
-def memory_sample(llm: Any, t: float) -> dict[str, Any]:
-    """One sample: RSS of the process tree, plus each worker's connector buffers."""
-    sample: dict[str, Any] = {"t": round(t, 3), "rss_bytes": process_tree_rss()}
+def memory_sample(llm: Any, t: float, state: bool = False) -> dict[str, Any]:
+    """One sample: RSS of the process tree, plus each worker's connector buffers; with
+    `state`, the entries of every container of the connector (stress/state.py)."""
+    driver, engine = process_tree_rss()
+    sample: dict[str, Any] = {
+        "t": round(t, 3),
+        "rss_bytes": driver + engine,
+        "rss_driver_bytes": driver,
+        "rss_engine_bytes": engine,
+    }
+    if state:
+        from vllm_draft_offload.bench.stress.state import connector_state
+
+        try:
+            ranks = llm.collective_rpc(connector_state, timeout=10)
+            # rank 0, and what grows on any rank: the largest count of each path
+            merged: dict[str, int] = {}
+            for sizes in ranks:
+                for path, n in sizes.items():
+                    merged[path] = max(n, merged.get(path, 0))
+            sample["state"] = {path: n for path, n in sorted(merged.items()) if n}
+        except Exception as exc:  # noqa: BLE001 - recorded, sampling goes on
+            sample["state_error"] = repr(exc)
     try:
         workers = llm.collective_rpc(connector_memory, timeout=10)
     except Exception as exc:  # noqa: BLE001 - recorded, sampling goes on

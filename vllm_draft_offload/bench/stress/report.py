@@ -324,6 +324,39 @@ def hit_rate_series(samples: list[dict[str, Any]], window_s: float = 5.0) -> lis
     return out
 
 
+def _first_last(samples: list[dict[str, Any]], key: str) -> tuple[Any, Any]:
+    values = [s[key] for s in samples if key in s]
+    return (values[0], values[-1]) if values else (None, None)
+
+
+# Connector containers listed in the summary: those that grew most after the warm-up.
+STATE_GROWTH_TOP = 8
+
+
+def state_growth(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Containers of the connector (samples' ``state``, stress/state.py) with more entries
+    at the end than after the warm-up (the first count at 60 s or a quarter of the run),
+    most growth first: under a steady load, a leak."""
+    counted = [s for s in samples if "state" in s]
+    if len(counted) < 2:
+        return []
+    start = min(60.0, counted[-1]["t"] / 4)
+    base = next(s for s in counted if s["t"] >= start or s is counted[-1])
+    later = counted[counted.index(base) :]
+    peak: dict[str, int] = {}
+    for s in later:
+        for path, n in s["state"].items():
+            peak[path] = max(n, peak.get(path, 0))
+    first, last = base["state"], counted[-1]["state"]
+    grew = [
+        {"path": p, "t0": base["t"], "first": first.get(p, 0), "last": n, "max": peak[p]}
+        for p, n in last.items()
+        if n > first.get(p, 0)
+    ]
+    grew.sort(key=lambda g: g["last"] - g["first"], reverse=True)
+    return grew[:STATE_GROWTH_TOP]
+
+
 def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
     ours = data["runs"].get("ours", {})
     base = data["runs"].get("baseline")
@@ -370,6 +403,12 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
         "rss_end": rss[-1] if rss else None,
         "l3_pending_write_max": max((s["l3_pending_write_bytes"] for s in mem), default=None),
         "l3_staging_max": max((s["l3_staging_in_use_bytes"] for s in mem), default=None),
+        # This process (vLLM's frontend, the run's records) and the engine's processes
+        # (EngineCore and workers: the connector), and the no-connector engine's.
+        "rss_driver": _first_last(mem, "rss_driver_bytes"),
+        "rss_engine": _first_last(mem, "rss_engine_bytes"),
+        "baseline_rss_engine": _first_last((base or {}).get("samples") or [], "rss_engine_bytes"),
+        "state_growth": state_growth(samples),
     }
     budget = data.get("cpu_bytes")
     # The pool is the CPU tier (pinned on a GPU host, pageable on CPU): one allocation
@@ -407,6 +446,13 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _rss_span(span: Any, m: Any) -> str:
+    start, end = span or (None, None)
+    if start == end == 0:
+        return "in the driver's process"  # the engine ran in-process (CPU dry run)
+    return f"{m(start)} → {m(end)}"
+
+
 def soak_markdown(data: dict[str, Any]) -> str:
     s = data["summary"]
 
@@ -442,6 +488,21 @@ def soak_markdown(data: dict[str, Any]) -> str:
             "RSS start / max / end",
             f"{m(mem['rss_start'])} / {m(mem['rss_max'])} / {m(mem['rss_end'])}",
         ),
+        (
+            "RSS start → end: driver; engine; no-connector engine",
+            "; ".join(
+                _rss_span(mem.get(key), m)
+                for key in ("rss_driver", "rss_engine", "baseline_rss_engine")
+            ),
+        ),
+        (
+            "connector containers grown after the warm-up (first → last, max)",
+            "; ".join(
+                f"{g['path']} {g['first']} → {g['last']} ({g['max']})"
+                for g in mem.get("state_growth") or []
+            )
+            or "none",
+        ),
         ("TTFT p50 / p99, ours (whole run)", p(t["ours"])),
         (
             f"TTFT p50 / p99, ours first {t['baseline_seconds']} s vs no connector",
@@ -472,7 +533,9 @@ def soak_plot(data: dict[str, Any], path: Path) -> None:
     mem = [x for x in samples if "pinned_bytes" in x]
     t = [x["t"] for x in mem]
     for key, label in (
-        ("rss_bytes", "RSS (engine processes)"),
+        ("rss_bytes", "RSS (all processes)"),
+        ("rss_driver_bytes", "RSS (driver)"),
+        ("rss_engine_bytes", "RSS (engine processes)"),
         ("pool_bytes", "CPU-tier pool"),
         ("pinned_bytes", "pinned"),
         ("l3_pending_write_bytes", "L3 pending writes"),

@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     # One no-connector engine (GPU prefix cache on): the TTFT baseline under the same
     # load for base_s, then the replay of ours' sample (reference + reversed control).
     job = {**common, "mode": "soak" if base_s > 0 else "replay", "seconds": base_s}
-    job.update(ready=str(out / "jobs" / "baseline.ready"), replay=sample, memory=False)
+    # Memory sampled as in ours (no connector there: RSS only), to compare its growth.
+    job.update(ready=str(out / "jobs" / "baseline.ready"), replay=sample, state=False)
     job["engine_kwargs"] = build_kwargs("gpu_prefix", shape)
     rec = run_job(job, "baseline", out, env, args.engine_timeout)
     if base_s > 0:

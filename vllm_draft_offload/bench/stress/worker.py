@@ -7,7 +7,9 @@
 * ``pressure``: the request list of `load.pressure_requests` on
   ``job["streams"]`` streams (`StreamDriver`), outputs and counters recorded.
 * ``soak``: the load mix of `load.SoakStreams` until ``job["seconds"]``; every
-  second a memory sample and the connector/prefix-cache counters; writes
+  second a memory sample (RSS of this process and of the engine's, the connector's
+  buffers; every 10 s also the entries of each connector container) and the
+  connector/prefix-cache counters; writes
   ``job["ready"]`` once the engine serves, so the parent starts its fault schedule.
 * ``replay``: ``job["replay"]`` prompts twice on this engine (as given, then reversed:
   other batches, the numerics control), greedy. A ``soak`` job with ``replay`` does
@@ -38,6 +40,8 @@ SAMPLED = (
     "vllm:external_prefix_cache_",
     "vllm:spec_decode_num_",
 )
+# Samples (one a second) between counts of the connector's containers (stress/state.py).
+STATE_EVERY = 10
 
 
 def _counters() -> dict[str, float]:
@@ -98,7 +102,12 @@ class Worker:
         before = _counters()
         # logprobs=2: each answer token's lead over the runner-up, so the report can
         # tell a near-tie flip (numerics) from a confident one (wrong KV)
-        res = StreamDriver(self.llm, queue_streams(requests, plan.streams), logprobs=2).run()
+        res = StreamDriver(
+            self.llm,
+            queue_streams(requests, plan.streams),
+            logprobs=2,
+            keep_prompt=lambda _seq: False,
+        ).run()
         self._driver_result(res)
         self.result["counters"] = _delta(_counters(), before)
         self.result["memory"] = memory_sample(self.llm, res.wall_s)
@@ -115,8 +124,14 @@ class Worker:
         samples: list[dict[str, Any]] = []
         last_save = [time.perf_counter()]
 
-        def tick(t: float) -> None:
-            sample = memory_sample(self.llm, t) if self.job.get("memory", True) else {"t": t}
+        def tick(t: float, last: bool = False) -> None:
+            # Every STATE_EVERY-th sample also counts the connector's containers.
+            state = self.job.get("state", True) and (last or len(samples) % STATE_EVERY == 0)
+            sample = (
+                memory_sample(self.llm, t, state=state)
+                if self.job.get("memory", True)
+                else {"t": t}
+            )
             sample["counters"] = _counters()
             samples.append(sample)
             if time.perf_counter() - last_save[0] > 30:  # a hard crash keeps what ran
@@ -125,17 +140,23 @@ class Worker:
 
         self.result["samples"] = samples
         Path(self.job["ready"]).write_text(str(time.time()))
+        every = max(1, int(self.job.get("replay_every", 1)))
+        cap = int(self.job.get("replay_n", 0))
+
+        def sampled(seq: int) -> bool:  # the replay sample: only its tokens are kept
+            return seq % every == 0 and seq // every < cap
+
         res = StreamDriver(
             self.llm,
             [streams.make(i) for i in range(load.streams)],
             deadline_s=float(self.job["seconds"]),
             max_requests=int(self.job["max_requests"]),
             on_tick=tick,
+            keep_prompt=sampled,
+            keep_output=sampled,
         ).run()
-        tick(res.wall_s)
+        tick(res.wall_s, last=True)
         self._driver_result(res)
-        every = max(1, int(self.job.get("replay_every", 1)))
-        cap = int(self.job.get("replay_n", 0))
         self.result["requests"] = [
             {"kind": f.kind, "seq": f.seq, "submit_t": f.submit_t, "end_t": f.end_t, **f.record}
             for f in res.finished
@@ -143,8 +164,8 @@ class Worker:
         self.result["replay_sample"] = [
             {"seq": f.seq, "kind": f.kind, "prompt": f.prompt, "output": f.output}
             for f in res.finished
-            if f.seq % every == 0
-        ][:cap]
+            if sampled(f.seq)
+        ]
 
     def replay(self) -> None:
         from vllm import SamplingParams
@@ -169,6 +190,8 @@ class Worker:
             stopped_by=res.stopped_by,
             wall_s=res.wall_s,
             n_finished=len(res.finished),
+            # What this process keeps of the requests' tokens (the replay sample's).
+            tokens_kept=sum(len(f.prompt or ()) + len(f.output or ()) for f in res.finished),
             tick_errors=res.tick_errors[:20],
         )
 
