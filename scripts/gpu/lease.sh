@@ -10,6 +10,7 @@
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
 #   pressure  the pressure run with per-token margins: /root/pressure
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart
+#   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
 #   hybrid    build /root/fx-hybrid (hybrid-mtp: Qwen3-Next-shaped, Mamba state in
 #             vLLM's align mode, random MTP layer), then its acceptance runs one engine
 #             at a time, prefix_cache_retention_interval 0 and None: /root/acc-hybrid
@@ -60,6 +61,9 @@ pressure)
 l3)
   bg l3 "vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
     --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json; echo l3-done" ;;
+soak)
+  bg soak "vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
+    --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90; echo soak-done" ;;
 hybrid)
   bg hybrid "bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
   sleep 5; tail -n 3 "$L/hybrid.log" ;;
@@ -81,6 +85,7 @@ collect)
   [ -d /root/serve ] && tar -czf "$OUT/serve.tgz" -C /root serve
   [ -d /root/pressure ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$OUT"/
   [ -f /root/restore_speed_l3.json ] && cp /root/restore_speed_l3.json "$OUT"/
+  [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$OUT"/
   ls -la "$OUT" ;;
 *)
   sed -n '2,17p' "$0"; exit 2 ;;
