@@ -19,6 +19,10 @@ def test_store_config_stores_decode_and_none_has_no_connector() -> None:
         "chunk_size": 128,
         "store_decode": True,
     }
+    # idle: the connector's hooks run every step, but no request is long enough to store.
+    idle = dec.connector_config("idle", 1.5, 128, max_request_tokens=1600)
+    assert idle is not None and idle["kv_connector"] == "DraftOffloadConnector"
+    assert idle["kv_connector_extra_config"]["min_store_tokens"] == 1601
     with pytest.raises(ValueError, match="unknown config"):
         dec.connector_config("native", 1, 256)
 
@@ -83,6 +87,7 @@ def _report(**configs: list) -> dict:
 def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None:
     report = _report(
         none=[{"reps": [_rep(1000.0), _rep(1010.0)]}, {"reps": [_rep(990.0)]}],
+        idle=[{"reps": [_rep(995.0, stored=0.0)]}],
         store=[
             {"reps": [_rep(980.0), _rep(985.0, stored=79.0)], "turns": _turns([1280, 1280])},
             {"reps": [_rep(975.0)]},
@@ -90,8 +95,9 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     )
     dec.summarize(report)
     summary = report["summary"]
-    assert summary["decode_tok_s"] == {"none": 1000.0, "store": 980.0}
+    assert summary["decode_tok_s"] == {"none": 1000.0, "idle": 995.0, "store": 980.0}
     assert summary["store_vs_none"] == 0.98 and summary["goal_0.97_met"] is True
+    assert summary["idle_vs_none"] == 0.995
     assert summary["expected_chunks_per_batch"] == 16 * 5
     assert summary["stored_fraction"] == 79.0 / 80.0  # the worst batch
     turns = summary["turns"]
@@ -100,7 +106,7 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     row = dec.table_row("small", report)
     assert row == {
         "shape": "small", "decode_tok_s_none": 1000.0, "decode_tok_s_store": 980.0,
-        "store_vs_none": 0.98, "stored_fraction": 79.0 / 80.0,
+        "store_vs_none": 0.98, "idle_vs_none": 0.995, "stored_fraction": 79.0 / 80.0,
         "turn2_decode_kv_reused": True, "turn2_outputs_match": True,
         "turn2_acceptance_ratio": 0.95,
     }  # fmt: skip

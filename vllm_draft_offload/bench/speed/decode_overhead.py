@@ -9,6 +9,9 @@ Llama-3.2-1B geometry + a 2-layer drafter). Per shape, each configuration runs i
 own engine (a child process), one after another, ``--rounds`` times alternating:
 
 * ``none``: no KV connector (GPU prefix caching on, as in ``store``);
+* ``idle``: DraftOffloadConnector, CPU tier, with ``min_store_tokens`` above every
+  request's length: its hooks run every step, nothing is stored (what the connector
+  costs per step, apart from its copies);
 * ``store``: DraftOffloadConnector, CPU tier, ``store_decode`` on: every whole chunk of
   every request is stored, the prompt's while the batch decodes and the answer's as it
   is produced; no request ever hits (every prompt is new).
@@ -18,9 +21,10 @@ Each engine decodes ``--reps`` batches of ``--batch`` new prompts of
 a warm-up batch. Decode throughput is the batch's output tokens after the first, over
 the time from the last request's first token to the last request's last token (the
 engine's own timestamps); ``store_vs_none`` is the median of ``store`` over the median
-of ``none`` (the goal: >= 0.97). ``stored_fraction``: chunks the connector stored over
-the batch's whole chunks (the last token of an answer has no KV, so a request has
-``(prompt + decode - 1) // chunk`` of them).
+of ``none`` (the goal: >= 0.97), ``idle_vs_none`` the same for ``idle``.
+``stored_fraction``: chunks the connector stored over the batch's whole chunks (the
+last token of an answer has no KV, so a request has ``(prompt + decode - 1) // chunk``
+of them).
 
 The ``store`` engine then runs the multi-turn check: turn 1 answers ``--turn-prompts``
 prompts; turn 2 sends each prompt + its answer + new user tokens twice, once salted
@@ -58,7 +62,7 @@ EXAMPLES = """examples:
   vllm-draft-offload decode-overhead --shape small --rounds 2 --reps 2 --out /tmp/d.json
 """
 MODULE = "vllm_draft_offload.bench.speed.decode_overhead"
-CONFIGS = ("none", "store")
+CONFIGS = ("none", "idle", "store")
 GOAL = 0.97
 STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
 LOADED_BYTES = "vllm:draft_offload_loaded_bytes_total"
@@ -88,19 +92,26 @@ def whole_chunks(prompt_tokens: int, decode_tokens: int, chunk: int) -> int:
     return (prompt_tokens + decode_tokens - 1) // chunk
 
 
-def connector_config(config: str, cpu_gib: float, chunk: int) -> dict[str, Any] | None:
+def connector_config(
+    config: str, cpu_gib: float, chunk: int, max_request_tokens: int = 0
+) -> dict[str, Any] | None:
+    """The engine's ``kv_transfer_config``; ``idle`` stores no request of up to
+    ``max_request_tokens`` tokens."""
     if config == "none":
         return None
-    if config != "store":
+    if config not in CONFIGS:
         raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": int(cpu_gib * 2**30),
+        "chunk_size": chunk,
+        "store_decode": True,
+    }
+    if config == "idle":
+        extra["min_store_tokens"] = max_request_tokens + 1
     return {
         "kv_connector": "DraftOffloadConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "cpu_bytes_to_use": int(cpu_gib * 2**30),
-            "chunk_size": chunk,
-            "store_decode": True,
-        },
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -168,7 +179,9 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         }
         if args.draft
         else None,
-        kv_transfer_config=connector_config(args.config, args.cpu_gib, args.chunk_size),
+        kv_transfer_config=connector_config(
+            args.config, args.cpu_gib, args.chunk_size, max_len + 64
+        ),
         disable_log_stats=False,
         **cpu,
     )
@@ -262,11 +275,12 @@ def summarize(report: dict[str, Any]) -> None:
             if rep.get("decode_tok_s")
         ]
         rates[config] = statistics.median(values) if values else None
-    none, store = rates.get("none"), rates.get("store")
+    none, idle, store = rates.get("none"), rates.get("idle"), rates.get("store")
     ratio = store / none if store and none else None
     summary: dict[str, Any] = {
         "decode_tok_s": rates,
         "store_vs_none": ratio,
+        "idle_vs_none": idle / none if idle and none else None,
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
     }
     store_reps = [rep for run in report["configs"].get("store", []) for rep in run.get("reps", [])]
@@ -313,6 +327,7 @@ def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "decode_tok_s_none": summary.get("decode_tok_s", {}).get("none"),
         "decode_tok_s_store": summary.get("decode_tok_s", {}).get("store"),
         "store_vs_none": summary.get("store_vs_none"),
+        "idle_vs_none": summary.get("idle_vs_none"),
         "stored_fraction": summary.get("stored_fraction"),
         "turn2_decode_kv_reused": turns.get("decode_kv_reused"),
         "turn2_outputs_match": turns.get("outputs_match"),
@@ -378,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape", default="small,llama8b", help="of llama8b, small (comma-separated)"
     )
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="of none, store")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="of none, idle, store")
     parser.add_argument("--rounds", type=int, default=1, help="engines per config, alternating")
     parser.add_argument("--reps", type=int, default=3, help="timed batches per engine")
     parser.add_argument("--batch", type=int, default=16)
