@@ -52,3 +52,35 @@ def test_decode_steps_read_only_block_tables_of_requests_with_a_chunk_to_store(
     # sampled token has no KV).
     whole = (CHUNK + 5 + 3 * CHUNK - 1) // CHUNK + (2 * CHUNK - 3 + 3 * CHUNK - 1) // CHUNK
     assert len(sched.index) == whole
+
+
+def test_a_steps_store_jobs_go_as_one_copy_and_restore_exactly(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """Three requests prefilled in one step store their chunks in one copy (one plan,
+    one launch on a GPU), timed as one transfer; every unit restores bit for bit."""
+    eng = SimEngine(*model_dirs, SimSetup())
+    worker = eng.worker.worker
+    copies: list[tuple[str, int]] = []
+    run = worker.copier.run
+    worker.copier.run = lambda desc, direction, stream: (
+        copies.append((direction, desc.num_bytes)) or run(desc, direction, stream)
+    )
+    prompts = {f"r{i}": prompt(20 + i, 2 * CHUNK + 3) for i in range(3)}
+    for req_id, tokens in prompts.items():
+        eng.add_request(req_id, tokens, max_tokens=2)
+    eng.take_published()
+    out = eng.step()
+    assert len(out.kv_connector_metadata.stores) == 3  # a job per request
+    unit = worker.layout.unit_bytes
+    assert copies == [("store", 3 * 2 * unit)]
+    eng.run_until_done()
+    published = eng.take_published()
+    assert published["chunks"]["store/cpu"] == 3 * 2
+    assert published["timed_bytes"]["store/cpu"] == 3 * 2 * unit
+    eng.evict_gpu_kv()
+    for req_id, tokens in prompts.items():
+        eng.add_request(f"again-{req_id}", tokens, max_tokens=1)
+        eng.run_prefill(f"again-{req_id}")
+        assert eng.external_hits[f"again-{req_id}"] == 2 * CHUNK
+        assert eng.mismatched_positions(f"again-{req_id}") == []
