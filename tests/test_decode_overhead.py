@@ -23,6 +23,9 @@ def test_store_config_stores_decode_and_none_has_no_connector() -> None:
     idle = dec.connector_config("idle", 1.5, 128, max_request_tokens=1600)
     assert idle is not None and idle["kv_connector"] == "DraftOffloadConnector"
     assert idle["kv_connector_extra_config"]["min_store_tokens"] == 1601
+    assert "copy_path" not in idle["kv_connector_extra_config"]
+    memcpy = dec.connector_config("store", 1.5, 128, copy_path="memcpy")
+    assert memcpy is not None and memcpy["kv_connector_extra_config"]["copy_path"] == "memcpy"
     with pytest.raises(ValueError, match="unknown config"):
         dec.connector_config("native", 1, 256)
 
@@ -136,7 +139,7 @@ def test_child_gets_every_setting_of_the_parent(tmp_path: Path) -> None:
         ["--out", "o.json", "--batch", "8", "--prompt-tokens", "512", "--decode-tokens", "300",
          "--reps", "2", "--chunk-size", "128", "--cpu-gib", "3.5", "--gpu-mem", "0.4",
          "--turn-prompts", "2", "--turn-decode-tokens", "200", "--turn-user-tokens", "32",
-         "--enforce-eager"]
+         "--enforce-eager", "--copy-path", "memcpy"]
     )  # fmt: skip
     cmd = dec.child_command(args, "store", "/t", "/d", tmp_path / "c.json")
     assert cmd[1:3] == ["-m", dec.MODULE]
@@ -146,7 +149,9 @@ def test_child_gets_every_setting_of_the_parent(tmp_path: Path) -> None:
     )  # fmt: skip
     for flag in dec.CHILD_FLAGS:
         assert getattr(child, flag) == getattr(args, flag), flag
-    assert child.enforce_eager is True
+    assert child.enforce_eager is True and child.copy_path == "memcpy"
+    default = dec.child_command(parser.parse_args(["--out", "o"]), "store", "/t", "/d", tmp_path)
+    assert parser.parse_args(default[3:]).copy_path is None  # the connector's default
     assert "--draft" not in dec.child_command(args, "none", "/t", None, tmp_path / "n.json")
 
 

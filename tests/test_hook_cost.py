@@ -47,11 +47,16 @@ def test_engine_time_of_a_step_leaves_out_the_memmove() -> None:
         "copy_exec": 300e-6,
     }
     assert hc.engine_us(step) == pytest.approx(100 + 50 + 400 + 10 - 300)
+    assert hc.hooks_us(step) == pytest.approx(30 + 400 + 10 - 300)
     configs = {
-        "none": [{"engine_ms_over_decode": 5.0, "decode_steps": 10}],
-        "idle": [{"engine_ms_over_decode": 6.0}, {"engine_ms_over_decode": 5.5}],
-        "store": [{"engine_ms_over_decode": 9.0}],
+        "none": [{"engine_ms_over_decode": 5.0, "hooks_ms_over_decode": 0, "decode_steps": 10}],
+        "idle": [
+            {"engine_ms_over_decode": 6.0, "hooks_ms_over_decode": 0.3},
+            {"engine_ms_over_decode": 5.5, "hooks_ms_over_decode": 0.4},
+        ],
+        "store": [{"engine_ms_over_decode": 9.0, "hooks_ms_over_decode": 2.0}],
     }
     summary = hc.compare(configs)
+    assert summary["hooks_ms_over_decode"] == {"idle": 0.3, "store": 2.0}
     assert summary["added_ms_over_decode"] == {"idle": 0.5, "store": 4.0}  # fastest batch
     assert summary["added_us_per_decode_step"] == {"idle": 50.0, "store": 400.0}

@@ -93,10 +93,14 @@ def whole_chunks(prompt_tokens: int, decode_tokens: int, chunk: int) -> int:
 
 
 def connector_config(
-    config: str, cpu_gib: float, chunk: int, max_request_tokens: int = 0
+    config: str,
+    cpu_gib: float,
+    chunk: int,
+    max_request_tokens: int = 0,
+    copy_path: str | None = None,
 ) -> dict[str, Any] | None:
     """The engine's ``kv_transfer_config``; ``idle`` stores no request of up to
-    ``max_request_tokens`` tokens."""
+    ``max_request_tokens`` tokens; ``copy_path`` None leaves the connector's default."""
     if config == "none":
         return None
     if config not in CONFIGS:
@@ -108,6 +112,8 @@ def connector_config(
     }
     if config == "idle":
         extra["min_store_tokens"] = max_request_tokens + 1
+    if copy_path is not None:
+        extra["copy_path"] = copy_path
     return {
         "kv_connector": "DraftOffloadConnector",
         "kv_role": "kv_both",
@@ -180,7 +186,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         if args.draft
         else None,
         kv_transfer_config=connector_config(
-            args.config, args.cpu_gib, args.chunk_size, max_len + 64
+            args.config, args.cpu_gib, args.chunk_size, max_len + 64, args.copy_path
         ),
         disable_log_stats=False,
         **cpu,
@@ -347,6 +353,8 @@ def child_command(
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if draft:
         cmd += ["--draft", draft]
+    if args.copy_path:
+        cmd += ["--copy-path", args.copy_path]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.dry_run_cpu:
@@ -367,6 +375,7 @@ def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]
         + (0 if draft is None else kv_bytes_per_token(draft_shape)),
         **{k: getattr(args, k) for k in ("batch", "prompt_tokens", "decode_tokens", "chunk_size")},
         "enforce_eager": args.enforce_eager,
+        "copy_path": args.copy_path or "auto (connector default)",
         "configs": {config: [] for config in args.configs},
     }
     engines = [config for _ in range(args.rounds) for config in args.configs]
@@ -411,6 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--turn-user-tokens", type=int, default=64)
     parser.add_argument("--no-draft", action="store_true")
+    parser.add_argument(
+        "--copy-path",
+        choices=("auto", "memcpy", "kernel"),
+        help="the connector's copy_path (default: its default); memcpy keeps stores off the SMs",
+    )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (decode is then CPU-bound)"
     )
