@@ -159,6 +159,10 @@ class UnitCopies:
         ]
         self._offset = [column([regions[i].slot.offset for i in rows]) for rows in self._rows]
         self._page = [column([regions[i].slot.page_bytes for i in rows]) for rows in self._rows]
+        self._draft_page_bytes = [
+            sum(regions[i].slot.page_bytes for i in rows if regions[i].slot.is_draft)
+            for rows in self._rows
+        ]
         # Where each region's row sits in its group's arrays.
         self._where = {i: (g, k) for g, rows in enumerate(self._rows) for k, i in enumerate(rows)}
 
@@ -196,12 +200,17 @@ class UnitCopies:
     def unit(
         self, host_pages: list[list[int]], gpu_blocks: list[list[int]], to_host: bool
     ) -> tuple[Descriptors, int]:
-        """Every region's batch as one (region order), and the bytes of draft layers."""
-        parts = self.layers(host_pages, gpu_blocks, to_host)
-        draft = sum(
-            d.num_bytes for d, r in zip(parts, self.regions, strict=True) if r.slot.is_draft
-        )
-        return Descriptors.concat(parts), draft
+        """Every layer's copies as one batch (group by group, each layer's pages in
+        order), and the bytes of draft layers among them."""
+        src, dst, sizes = [], [], []
+        draft = 0
+        for g in range(len(self._rows)):
+            s, d, n = self._group(g, host_pages[g], gpu_blocks[g], to_host)
+            src.append(s.ravel())
+            dst.append(d.ravel())
+            sizes.append(n.ravel())
+            draft += self._draft_page_bytes[g] * len(host_pages[g])
+        return Descriptors(np.concatenate(src), np.concatenate(dst), np.concatenate(sizes)), draft
 
 
 def _check_pairs(
