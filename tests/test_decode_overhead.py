@@ -171,3 +171,32 @@ def test_bad_options_are_refused_by_name(
     with pytest.raises(SystemExit):
         cli.main(["decode-overhead", "--out", "/tmp/never.json", *argv])
     assert flag in capsys.readouterr().err
+
+
+def test_time_hooks_counts_the_hooks_of_both_halves_only_while_on(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """--time-hooks on the real Scheduler and both connector halves (tests/kv_sim.py):
+    every hook the steps call is timed while the clock is on, nothing while off."""
+    from kv_sim import SimEngine, SimSetup, prompt
+
+    eng = SimEngine(*model_dirs, SimSetup())
+    clock = dec.hook_clock(eng.scheduler, eng.worker)
+    eng.add_request("off", prompt(1, 40), max_tokens=3)
+    eng.run_until_done()
+    assert clock.take() == {"ms": {}, "calls": {}}
+    clock.on = True
+    eng.add_request("on", prompt(2, 70), max_tokens=4)
+    eng.run_until_done()
+    clock.on = False
+    taken = clock.take()
+    steps = taken["calls"]["schedule"]
+    assert steps >= 4  # prefill and three decode steps (and the store's report)
+    for name in ("sched.build_connector_meta", "worker.wait_for_save", "worker.start_load_kv"):
+        assert taken["calls"][name] == steps, name
+    assert taken["calls"]["sched.get_num_new_matched_tokens"] >= 1
+    calls = taken["calls"]
+    assert calls.get("sched.request_finished", 0) + calls["sched.request_finished_all_groups"] == 1
+    assert all(ms >= 0 for ms in taken["ms"].values())
+    assert taken["ms"]["worker.wait_for_save"] > 0  # it stored the prompt's chunks
+    assert clock.take() == {"ms": {}, "calls": {}}

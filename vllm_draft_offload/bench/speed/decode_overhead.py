@@ -213,12 +213,19 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
     generate(batch_prompts(-1, args.batch, args.prompt_tokens), args.decode_tokens)  # warm-up
     settle()
+    clock = hook_clock(*engine_parts(llm)) if args.time_hooks and args.config != "none" else None
     result: dict[str, Any] = {"config": args.config, "reps": []}
     for rep in range(args.reps):
         before = snapshot_metrics()
+        if clock is not None:
+            clock.on = True
         start = time.perf_counter()
         outs = generate(batch_prompts(rep, args.batch, args.prompt_tokens), args.decode_tokens)
         wall = time.perf_counter() - start
+        hooks = None
+        if clock is not None:
+            clock.on = False
+            hooks = clock.take()
         settled = settle()  # outside the timed window: the last stores land
         counters = metrics_delta(snapshot_metrics(), before)
         records = [request_record(o, None) for o in outs]
@@ -232,12 +239,58 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
                 "hit_tokens": sum(r["cached"] for r in records),
                 "acceptance_length": acceptance_length(counters),
                 "settled": settled,
+                **({"hooks": hooks} if hooks is not None else {}),
             }
         )
         print(args.config, json.dumps(result["reps"][-1]), flush=True)
     if args.config == "store" and args.turn_prompts > 0:
         result["turns"] = multi_turn(args, generate, settle, snapshot_metrics, metrics_delta)
     return result
+
+
+class HookClock:
+    """Wall time in the connector's hooks of an in-process engine (``--time-hooks``),
+    while ``on``: wall time, so a hook that waits for the GPU shows."""
+
+    def __init__(self) -> None:
+        from vllm_draft_offload.bench.speed.hook_cost import Clock
+
+        self.clock = Clock(time.perf_counter)
+        self.on = False
+
+    def take(self) -> dict[str, Any]:
+        """Milliseconds and calls per hook since the last take."""
+        step, calls = self.clock.step, self.clock.calls
+        self.clock.step, self.clock.calls = type(step)(float), type(calls)(int)
+        return {
+            "ms": {name: round(1e3 * seconds, 3) for name, seconds in sorted(step.items())},
+            "calls": dict(sorted(calls.items())),
+        }
+
+
+def engine_parts(llm: Any) -> tuple[Any, Any]:  # noqa: ANN401 - vllm.LLM
+    """vLLM's Scheduler and the worker's connector of an engine whose core and worker
+    run in this process (the child sets VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    core = llm.llm_engine.engine_core.engine_core  # LLMEngine -> InprocClient -> EngineCore
+    return core.scheduler, get_kv_transfer_group()
+
+
+def hook_clock(scheduler: Any, worker_connector: Any) -> HookClock:  # noqa: ANN401
+    """Time ``scheduler.schedule`` and the hooks of both connector halves while on."""
+    clock = HookClock()
+    inner = clock.clock
+    wrap = inner.wrap
+
+    def gated(name: str, func: Any) -> Any:  # noqa: ANN401
+        timed = wrap(name, func)
+        return lambda *a, **k: timed(*a, **k) if clock.on else func(*a, **k)
+
+    inner.wrap = gated  # type: ignore[method-assign]
+    inner.wrap_hooks(scheduler.connector, worker_connector)
+    scheduler.schedule = gated("schedule", scheduler.schedule)
+    return clock
 
 
 def multi_turn(args: argparse.Namespace, generate, settle, snapshot, delta) -> dict[str, Any]:  # noqa: ANN001
@@ -355,6 +408,8 @@ def child_command(
         cmd += ["--draft", draft]
     if args.copy_path:
         cmd += ["--copy-path", args.copy_path]
+    if args.time_hooks:
+        cmd.append("--time-hooks")
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.dry_run_cpu:
@@ -385,6 +440,8 @@ def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]
         env = os.environ.copy()
         if args.dry_run_cpu:
             env = {**CPU_ENV, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if args.time_hooks:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in the child's process
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not child_out.exists():
             run = {"error": proc.stderr[-3000:], "stdout_tail": proc.stdout[-2000:]}
@@ -427,6 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (decode is then CPU-bound)"
+    )
+    parser.add_argument(
+        "--time-hooks",
+        action="store_true",
+        help="engine in the child's process, the connector's hooks timed per batch "
+        "(reps[].hooks); tok/s then not comparable with runs without it",
     )
     parser.add_argument(
         "--dry-run-cpu",

@@ -54,6 +54,7 @@ SCHEDULER_HOOKS = (
     "build_connector_meta",
     "update_connector_output",
     "request_finished",
+    "request_finished_all_groups",  # what vLLM calls on a SupportsHMA connector
     "get_kv_connector_stats",
     "has_pending_push_work",
     "has_pending_block_frees",
@@ -78,21 +79,37 @@ TAGS = ("tokens", "store_jobs", "stored_chunks", "decode")
 
 
 class Clock:
-    """Seconds spent per name in the current step, then per step."""
+    """Seconds spent per name in the current step, then per step; ``timer`` is the
+    engine thread's CPU time, or wall time where waiting counts (a GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer: Callable[[], float] = cpu_time) -> None:
+        self.timer = timer
         self.step: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self.steps: list[dict[str, float]] = []
 
     def wrap(self, name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        timer = self.timer
+
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = cpu_time()
+            start = timer()
             try:
                 return func(*args, **kwargs)
             finally:
-                self.step[name] += cpu_time() - start
+                self.step[name] += timer() - start
+                self.calls[name] += 1
 
         return timed
+
+    def wrap_hooks(self, scheduler_connector: Any, worker_connector: Any) -> None:
+        """Time the connector's hooks on these instances (None: that half is absent)."""
+        for obj, prefix, names in (
+            (scheduler_connector, "sched", SCHEDULER_HOOKS),
+            (worker_connector, "worker", WORKER_HOOKS),
+        ):
+            if obj is not None:
+                for name in names:
+                    setattr(obj, name, self.wrap(f"{prefix}.{name}", getattr(obj, name)))
 
     def end_step(self, **tags: float) -> None:
         self.steps.append({**self.step, **tags})
@@ -231,14 +248,8 @@ class Engine:
         self._wrap_hooks()
 
     def _wrap_hooks(self) -> None:
-        connector = self.scheduler.connector
-        if connector is not None:
-            for name in SCHEDULER_HOOKS:
-                setattr(connector, name, self.clock.wrap(f"sched.{name}", getattr(connector, name)))
+        self.clock.wrap_hooks(self.scheduler.connector, self.worker)
         if self.worker is not None:
-            for name in WORKER_HOOKS:
-                wrapped = self.clock.wrap(f"worker.{name}", getattr(self.worker, name))
-                setattr(self.worker, name, wrapped)
             # The memmove of CPU tensors: enqueued on a GPU, so timed apart.
             copier = self.worker.worker.copier
             assert copier is not None
