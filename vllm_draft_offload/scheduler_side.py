@@ -156,7 +156,8 @@ class DraftOffloadScheduler:
             self.l3.on_found = self.l3_writes.mark_in_storage
             self.l3.on_unusable = self.l3_writes.mark_not_in_storage
         self.pins = WindowPins(layout)
-        # Sliding-window pages are held from the step they are computed (window_pins).
+        # Sliding-window pages and Mamba states are held from the step they are
+        # computed or named (window_pins): such requests are looked at every step.
         self._tracks_windows = self.pins.active
         self.audit = RecomputeAudit(
             config.audit_recompute_fraction,

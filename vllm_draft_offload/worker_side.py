@@ -9,10 +9,10 @@ the request runs only once its copies are done, so nothing waits per layer.
 
 Stores are issued in `wait_for_save`, which vLLM calls after the drafter's
 forward, so draft KV is complete: every store job of the step as one copy. They
-run on another side stream after an event recorded on the compute stream; their source blocks stay alive because
-running requests keep their blocks, finished requests are held by vLLM until
-we report them in `finished_sending`, and a preemption makes us drain stores
-before the next forward (`handle_preemptions`).
+run on another side stream after an event recorded on the compute stream; their
+source blocks stay alive because running requests keep their blocks, finished
+requests are held by vLLM until we report them in `finished_sending`, and a
+preemption makes us drain stores before the next forward (`handle_preemptions`).
 
 This module issues the copies; which stores are still in flight and which finished
 requests they hold is `worker_stores`, audit checksums are `worker_audit`, and the

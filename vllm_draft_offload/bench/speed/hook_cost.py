@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.decode_overhead import CONFIGS, connector_config
-from vllm_draft_offload.bench.speed.restore import BLOCK_SIZE, SHAPES, VOCAB, write_config
+from vllm_draft_offload.bench.speed.shapes import BLOCK_SIZE, SHAPES, VOCAB, write_config
 
 EXAMPLES = """examples:
   vllm-draft-offload hook-cost --out /tmp/hook_cost.json
