@@ -67,6 +67,9 @@ FIXED = (
     "config.l3.__pydantic_fields_set__",
     "config.l3.lmcache",
     "regions",
+    # The worker's per-group address tables (transfers.UnitCopies).
+    *(f"_copies.{name}" for name in ("regions", "_rows", "_where", "_device_base")),
+    *(f"_copies.{name}" for name in ("_stride", "_offset", "_page", "_draft_page_bytes")),
     "comparer.regions",
     "comparer.dtypes",
     "copier.rules",

@@ -30,6 +30,7 @@ SHARED = {
     "restore-speed": {OUT, EAGER},
     "copy-speed": {OUT},
     "decode-overhead": {OUT, EAGER},
+    "hook-cost": {OUT},
     "l3-speed": {OUT},
     "shared-storage": {FIX, OUT, EAGER},
     "pressure": {FIX, OUT, EAGER},

@@ -19,6 +19,13 @@ def test_store_config_stores_decode_and_none_has_no_connector() -> None:
         "chunk_size": 128,
         "store_decode": True,
     }
+    # idle: the connector's hooks run every step, but no request is long enough to store.
+    idle = dec.connector_config("idle", 1.5, 128, max_request_tokens=1600)
+    assert idle is not None and idle["kv_connector"] == "DraftOffloadConnector"
+    assert idle["kv_connector_extra_config"]["min_store_tokens"] == 1601
+    assert "copy_path" not in idle["kv_connector_extra_config"]
+    memcpy = dec.connector_config("store", 1.5, 128, copy_path="memcpy")
+    assert memcpy is not None and memcpy["kv_connector_extra_config"]["copy_path"] == "memcpy"
     with pytest.raises(ValueError, match="unknown config"):
         dec.connector_config("native", 1, 256)
 
@@ -83,6 +90,7 @@ def _report(**configs: list) -> dict:
 def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None:
     report = _report(
         none=[{"reps": [_rep(1000.0), _rep(1010.0)]}, {"reps": [_rep(990.0)]}],
+        idle=[{"reps": [_rep(995.0, stored=0.0)]}],
         store=[
             {"reps": [_rep(980.0), _rep(985.0, stored=79.0)], "turns": _turns([1280, 1280])},
             {"reps": [_rep(975.0)]},
@@ -90,8 +98,9 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     )
     dec.summarize(report)
     summary = report["summary"]
-    assert summary["decode_tok_s"] == {"none": 1000.0, "store": 980.0}
+    assert summary["decode_tok_s"] == {"none": 1000.0, "idle": 995.0, "store": 980.0}
     assert summary["store_vs_none"] == 0.98 and summary["goal_0.97_met"] is True
+    assert summary["idle_vs_none"] == 0.995
     assert summary["expected_chunks_per_batch"] == 16 * 5
     assert summary["stored_fraction"] == 79.0 / 80.0  # the worst batch
     turns = summary["turns"]
@@ -100,7 +109,7 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     row = dec.table_row("small", report)
     assert row == {
         "shape": "small", "decode_tok_s_none": 1000.0, "decode_tok_s_store": 980.0,
-        "store_vs_none": 0.98, "stored_fraction": 79.0 / 80.0,
+        "store_vs_none": 0.98, "idle_vs_none": 0.995, "stored_fraction": 79.0 / 80.0,
         "turn2_decode_kv_reused": True, "turn2_outputs_match": True,
         "turn2_acceptance_ratio": 0.95,
     }  # fmt: skip
@@ -130,7 +139,7 @@ def test_child_gets_every_setting_of_the_parent(tmp_path: Path) -> None:
         ["--out", "o.json", "--batch", "8", "--prompt-tokens", "512", "--decode-tokens", "300",
          "--reps", "2", "--chunk-size", "128", "--cpu-gib", "3.5", "--gpu-mem", "0.4",
          "--turn-prompts", "2", "--turn-decode-tokens", "200", "--turn-user-tokens", "32",
-         "--enforce-eager"]
+         "--enforce-eager", "--copy-path", "memcpy"]
     )  # fmt: skip
     cmd = dec.child_command(args, "store", "/t", "/d", tmp_path / "c.json")
     assert cmd[1:3] == ["-m", dec.MODULE]
@@ -140,7 +149,9 @@ def test_child_gets_every_setting_of_the_parent(tmp_path: Path) -> None:
     )  # fmt: skip
     for flag in dec.CHILD_FLAGS:
         assert getattr(child, flag) == getattr(args, flag), flag
-    assert child.enforce_eager is True
+    assert child.enforce_eager is True and child.copy_path == "memcpy"
+    default = dec.child_command(parser.parse_args(["--out", "o"]), "store", "/t", "/d", tmp_path)
+    assert parser.parse_args(default[3:]).copy_path is None  # the connector's default
     assert "--draft" not in dec.child_command(args, "none", "/t", None, tmp_path / "n.json")
 
 
@@ -160,3 +171,32 @@ def test_bad_options_are_refused_by_name(
     with pytest.raises(SystemExit):
         cli.main(["decode-overhead", "--out", "/tmp/never.json", *argv])
     assert flag in capsys.readouterr().err
+
+
+def test_time_hooks_counts_the_hooks_of_both_halves_only_while_on(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """--time-hooks on the real Scheduler and both connector halves (tests/kv_sim.py):
+    every hook the steps call is timed while the clock is on, nothing while off."""
+    from kv_sim import SimEngine, SimSetup, prompt
+
+    eng = SimEngine(*model_dirs, SimSetup())
+    clock = dec.hook_clock(eng.scheduler, eng.worker)
+    eng.add_request("off", prompt(1, 40), max_tokens=3)
+    eng.run_until_done()
+    assert clock.take() == {"ms": {}, "calls": {}}
+    clock.on = True
+    eng.add_request("on", prompt(2, 70), max_tokens=4)
+    eng.run_until_done()
+    clock.on = False
+    taken = clock.take()
+    steps = taken["calls"]["schedule"]
+    assert steps >= 4  # prefill and three decode steps (and the store's report)
+    for name in ("sched.build_connector_meta", "worker.wait_for_save", "worker.start_load_kv"):
+        assert taken["calls"][name] == steps, name
+    assert taken["calls"]["sched.get_num_new_matched_tokens"] >= 1
+    calls = taken["calls"]
+    assert calls.get("sched.request_finished", 0) + calls["sched.request_finished_all_groups"] == 1
+    assert all(ms >= 0 for ms in taken["ms"].values())
+    assert taken["ms"]["worker.wait_for_save"] > 0  # it stored the prompt's chunks
+    assert clock.take() == {"ms": {}, "calls": {}}

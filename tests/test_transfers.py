@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.copy_paths import CopyEngine, kernel_unavailable, plan_copies, plan_layers
@@ -18,7 +20,15 @@ from vllm_draft_offload.copy_rules import (
     rules_from_rows,
     write_rules,
 )
-from vllm_draft_offload.transfers import Descriptors, HostPool, run_descriptors_on_host
+from vllm_draft_offload.geometry import LayerSlot
+from vllm_draft_offload.transfers import (
+    Descriptors,
+    HostPool,
+    LayerRegion,
+    UnitCopies,
+    layer_descriptors,
+    run_descriptors_on_host,
+)
 
 PAGE = 64
 
@@ -277,3 +287,71 @@ def test_an_unreadable_table_leaves_auto_on_dma_and_serving_on(
     kernel = CopyEngine("kernel", pool, [4096], on_device=False)
     forced = plan_copies(_scattered([4096] * 64), "load", kernel.path, kernel.tile, kernel.rules)
     assert len(forced.kernel.sizes) == 64
+
+
+# ---------------------------------------------------------------- every layer at once
+
+
+def _interleaved_regions(num_blocks: int) -> list[LayerRegion]:
+    """Layers of two groups in interleaved order (as a layout may list them), with their
+    own page sizes, padded block strides and unit offsets."""
+    specs = [(0, 4096, 4), (1, 1024, 2), (0, 4096, 4), (1, 1024, 2), (0, 4096, 4)]
+    regions, offset = [], 0
+    for i, (group, page, per_chunk) in enumerate(specs):
+        slot = LayerSlot(f"l{i}", group, page, offset, per_chunk * page, is_draft=group == 1)
+        offset += per_chunk * page
+        base = (1 << 32) * (i + 1)
+        regions.append(LayerRegion(slot, group, per_chunk, base, page + 256, num_blocks))
+    return regions
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_every_layer_at_once_equals_each_layer_alone(data: st.DataObject) -> None:
+    num_blocks, num_slots = 40, 6
+    regions = _interleaved_regions(num_blocks)
+    pool = HostPool(num_slots, sum(r.slot.nbytes for r in regions[:2]) * 3, pin=False)
+    copies = UnitCopies(regions, pool)
+    slots = data.draw(st.lists(st.integers(0, num_slots - 1), max_size=3, unique=True))
+    host_pages, gpu_blocks = [], []
+    for per_chunk in (4, 2):
+        host_pages.append([s * per_chunk + p for s in slots for p in range(per_chunk)])
+        blocks = st.lists(
+            st.integers(1, num_blocks - 1),
+            min_size=len(host_pages[-1]),
+            max_size=len(host_pages[-1]),
+        )
+        gpu_blocks.append(data.draw(blocks))
+    to_host = data.draw(st.booleans())
+    alone = [
+        layer_descriptors(r, pool, host_pages[r.group_index], gpu_blocks[r.group_index], to_host)
+        for r in regions
+    ]
+    at_once = copies.layers(host_pages, gpu_blocks, to_host)
+    for a, b in zip(alone, at_once, strict=True):
+        assert a.src.tolist() == b.src.tolist() and a.dst.tolist() == b.dst.tolist()
+        assert a.sizes.tolist() == b.sizes.tolist()
+    whole, draft = copies.unit(host_pages, gpu_blocks, to_host)
+    concat = Descriptors.concat(alone)
+
+    def copies_of(desc: Descriptors) -> list[tuple[int, int, int]]:
+        return sorted(zip(desc.src.tolist(), desc.dst.tolist(), desc.sizes.tolist(), strict=True))
+
+    assert copies_of(whole) == copies_of(concat)  # the same copies, grouped by KV-cache group
+    assert draft == sum(d.num_bytes for d, r in zip(alone, regions, strict=True) if r.slot.is_draft)
+
+
+@pytest.mark.parametrize(
+    ("group0_blocks", "message"),
+    [([1, 2, 3], "differ in length"), ([1, 2, 3, 40], "out of range for layer l0"),
+     ([1, 0, 3, 4], "null block for layer l0")],
+)  # fmt: skip
+def test_every_layer_at_once_refuses_what_each_layer_refuses(
+    group0_blocks: list[int], message: str
+) -> None:
+    regions = _interleaved_regions(40)
+    pool = HostPool(2, sum(r.slot.nbytes for r in regions), pin=False)
+    with pytest.raises(ValueError, match=message):
+        UnitCopies(regions, pool).unit([[0, 1, 2, 3], [0, 1]], [group0_blocks, [5, 6]], True)
+    with pytest.raises(ValueError, match="host slot out of range"):
+        UnitCopies(regions, pool).unit([[8, 9, 10, 11], [0, 1]], [[1, 2, 3, 4], [5, 6]], True)

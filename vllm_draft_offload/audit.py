@@ -190,6 +190,10 @@ class RecomputeAudit:
         self._targets[req_id] = targets
         return True
 
+    def pending(self, req_id: str) -> bool:
+        """Whether the request has audited chunks still to compare."""
+        return req_id in self._targets
+
     def plan(
         self,
         request: Request,

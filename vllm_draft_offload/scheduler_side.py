@@ -31,7 +31,12 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
-from vllm_draft_offload.store_planner import blocks_being_loaded, loads_read_by, plan_request_stores
+from vllm_draft_offload.store_planner import (
+    blocks_being_loaded,
+    loads_read_by,
+    plan_request_stores,
+    store_range,
+)
 from vllm_draft_offload.window_pins import WindowPins
 
 if TYPE_CHECKING:
@@ -151,6 +156,9 @@ class DraftOffloadScheduler:
             self.l3.on_found = self.l3_writes.mark_in_storage
             self.l3.on_unusable = self.l3_writes.mark_not_in_storage
         self.pins = WindowPins(layout)
+        # Sliding-window pages and Mamba states are held from the step they are
+        # computed or named (window_pins): such requests are looked at every step.
+        self._tracks_windows = self.pins.active
         self.audit = RecomputeAudit(
             config.audit_recompute_fraction,
             self.index,
@@ -370,6 +378,8 @@ class DraftOffloadScheduler:
             if state is None:
                 continue
             computed_after = state.request.num_computed_tokens + num_scheduled
+            if self._nothing_due(state, computed_after):
+                continue
             block_ids = self._kv_cache_manager.get_block_ids(req_id)
             self.pins.track(req_id, state.next_store_chunk, computed_after, block_ids)
             job = self._store_job(state, computed_after, block_ids, finishing=False)
@@ -394,6 +404,26 @@ class DraftOffloadScheduler:
         meta.l3_commit_jobs, self._l3_commits = self._l3_commits, []
         meta.l3_abort_jobs, self._l3_aborts = self._l3_aborts, []
         return meta
+
+    def _nothing_due(self, state: RequestState, computed_after: int) -> bool:
+        """Whether the request needs nothing this step: no chunk to store, no window
+        page to hold, no audit to plan. Most decode steps complete no chunk, and
+        building their block tables and plans every step cost about 10 us a request
+        on the engine's critical path (`vllm-draft-offload hook-cost`)."""
+        if self._tracks_windows or self.audit.pending(state.request.request_id):
+            return False  # they look at the block table every step
+        first, limit = store_range(
+            state.request,
+            state.next_store_chunk,
+            computed_after,
+            self.num_successors,
+            self.config,
+            self.chunk_size,
+        )
+        if limit > first:
+            return False
+        state.next_store_chunk = first  # as an empty plan would set it
+        return True
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

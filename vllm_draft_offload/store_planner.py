@@ -130,6 +130,33 @@ def plan_stores(
     return plan
 
 
+def store_range(
+    request: Request,
+    next_chunk: int,
+    computed_after_step: int,
+    num_successors: int,
+    config: DraftOffloadConfig,
+    chunk_size: int,
+) -> tuple[int, int]:
+    """(first, limit): the request's chunks [first, limit) that may be stored this step,
+    from `next_chunk` on; none (limit <= first) on most decode steps, which complete
+    no chunk. Cheap: no block table, no keys."""
+    limit = storable_chunk_limit(
+        request.num_tokens,
+        computed_after_step,
+        request.num_prompt_tokens,
+        chunk_size,
+        num_successors,
+        config.store_decode,
+    )
+    # vLLM lowers num_computed_tokens when a load fails (recompute policy): chunks
+    # past it are recomputed, and only what is recomputed may be stored.
+    first = min(next_chunk, request.num_computed_tokens // chunk_size)
+    if request.num_tokens < config.min_store_tokens:
+        return first, first
+    return first, limit
+
+
 def plan_request_stores(
     index: CpuTierIndex,
     layout: UnitLayout,
@@ -146,18 +173,10 @@ def plan_request_stores(
     """Store plan of one request for this step: chunks from `next_chunk` whose KV is
     complete by the end of the step and whose successor tokens are known."""
     tokens = request.all_token_ids
-    limit = storable_chunk_limit(
-        len(tokens),
-        computed_after_step,
-        request.num_prompt_tokens,
-        layout.chunk_size,
-        num_successors,
-        config.store_decode,
+    next_chunk, limit = store_range(
+        request, next_chunk, computed_after_step, num_successors, config, layout.chunk_size
     )
-    # vLLM lowers num_computed_tokens when a load fails (recompute policy): chunks
-    # past it are recomputed, and only what is recomputed may be stored.
-    next_chunk = min(next_chunk, request.num_computed_tokens // layout.chunk_size)
-    if limit <= next_chunk or len(tokens) < config.min_store_tokens:
+    if limit <= next_chunk:
         return StorePlan(
             next_chunk,
             next_chunk,

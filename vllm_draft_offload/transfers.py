@@ -119,15 +119,8 @@ def layer_descriptors(
     """
     pages = np.asarray(host_pages, dtype=np.int64)
     blocks = np.asarray(device_blocks, dtype=np.int64)
-    if len(pages) != len(blocks):
-        raise ValueError("host pages and device blocks differ in length")
-    if len(blocks) and (blocks.min() < 0 or blocks.max() >= region.num_blocks):
-        raise ValueError(f"block id out of range for layer {region.slot.name}")
-    if len(blocks) and (blocks == NULL_BLOCK).any():
-        raise ValueError(f"copy plan names vLLM's null block for layer {region.slot.name}")
+    _check_pairs(region, pool, pages, blocks)
     slots, page_in_chunk = np.divmod(pages, region.pages_per_unit)
-    if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
-        raise ValueError("host slot out of range")
     host = (
         pool.base
         + slots * pool.unit_bytes
@@ -137,6 +130,101 @@ def layer_descriptors(
     device = region.device_base + blocks * region.device_block_stride
     sizes = np.full(len(pages), region.slot.page_bytes, dtype=np.int64)
     return Descriptors(device, host, sizes) if to_host else Descriptors(host, device, sizes)
+
+
+class UnitCopies:
+    """Copy descriptors of every layer of a job at once.
+
+    ``layer_descriptors`` per layer costs a dozen small numpy calls, about 25 us:
+    with 18 layers, half a millisecond per store job on the engine's critical path.
+    Every layer of a group moves the same (host page, GPU block) pairs, so the pairs
+    are checked once per group and each layer's addresses come from one broadcast
+    (rows: the group's layers, columns: the pairs).
+    """
+
+    def __init__(self, regions: list[LayerRegion], pool: HostPool) -> None:
+        self.regions = regions
+        self.pool = pool
+        num_groups = 1 + max((r.group_index for r in regions), default=-1)
+        self._rows: list[list[int]] = [
+            [i for i, r in enumerate(regions) if r.group_index == g] for g in range(num_groups)
+        ]
+
+        def column(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64).reshape(-1, 1)
+
+        self._device_base = [column([regions[i].device_base for i in rows]) for rows in self._rows]
+        self._stride = [
+            column([regions[i].device_block_stride for i in rows]) for rows in self._rows
+        ]
+        self._offset = [column([regions[i].slot.offset for i in rows]) for rows in self._rows]
+        self._page = [column([regions[i].slot.page_bytes for i in rows]) for rows in self._rows]
+        self._draft_page_bytes = [
+            sum(regions[i].slot.page_bytes for i in rows if regions[i].slot.is_draft)
+            for rows in self._rows
+        ]
+        # Where each region's row sits in its group's arrays.
+        self._where = {i: (g, k) for g, rows in enumerate(self._rows) for k, i in enumerate(rows)}
+
+    def _group(
+        self, g: int, host_pages: list[int], device_blocks: list[int], to_host: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src, dst, sizes), each (layers of group g) x (pairs), after the checks of
+        ``layer_descriptors`` (a failure names the group's first layer)."""
+        first = self.regions[self._rows[g][0]]
+        pages = np.asarray(host_pages, dtype=np.int64)
+        blocks = np.asarray(device_blocks, dtype=np.int64)
+        _check_pairs(first, self.pool, pages, blocks)
+        slots, page_in_chunk = np.divmod(pages, first.pages_per_unit)
+        host = (self.pool.base + slots * self.pool.unit_bytes) + (
+            self._offset[g] + page_in_chunk * self._page[g]
+        )
+        device = self._device_base[g] + blocks * self._stride[g]
+        sizes = np.broadcast_to(self._page[g], host.shape)
+        return (device, host, sizes) if to_host else (host, device, sizes)
+
+    def layers(
+        self, host_pages: list[list[int]], gpu_blocks: list[list[int]], to_host: bool
+    ) -> list[Descriptors]:
+        """One batch per region, in region order (equal to ``layer_descriptors`` of each)."""
+        groups = [
+            self._group(g, host_pages[g], gpu_blocks[g], to_host) for g in range(len(self._rows))
+        ]
+        out = []
+        for i in range(len(self.regions)):
+            g, k = self._where[i]
+            src, dst, sizes = groups[g]
+            out.append(Descriptors(src[k], dst[k], np.ascontiguousarray(sizes[k])))
+        return out
+
+    def unit(
+        self, host_pages: list[list[int]], gpu_blocks: list[list[int]], to_host: bool
+    ) -> tuple[Descriptors, int]:
+        """Every layer's copies as one batch (group by group, each layer's pages in
+        order), and the bytes of draft layers among them."""
+        src, dst, sizes = [], [], []
+        draft = 0
+        for g in range(len(self._rows)):
+            s, d, n = self._group(g, host_pages[g], gpu_blocks[g], to_host)
+            src.append(s.ravel())
+            dst.append(d.ravel())
+            sizes.append(n.ravel())
+            draft += self._draft_page_bytes[g] * len(host_pages[g])
+        return Descriptors(np.concatenate(src), np.concatenate(dst), np.concatenate(sizes)), draft
+
+
+def _check_pairs(
+    region: LayerRegion, pool: HostPool, pages: np.ndarray, blocks: np.ndarray
+) -> None:
+    """Refuse a plan that would touch anything but a request's blocks and pool slots."""
+    if len(pages) != len(blocks):
+        raise ValueError("host pages and device blocks differ in length")
+    if len(blocks) and (blocks.min() < 0 or blocks.max() >= region.num_blocks):
+        raise ValueError(f"block id out of range for layer {region.slot.name}")
+    if len(blocks) and (blocks == NULL_BLOCK).any():
+        raise ValueError(f"copy plan names vLLM's null block for layer {region.slot.name}")
+    if len(pages) and (pages.min() < 0 or pages.max() // region.pages_per_unit >= pool.num_slots):
+        raise ValueError("host slot out of range")
 
 
 def run_descriptors_on_host(desc: Descriptors) -> None:

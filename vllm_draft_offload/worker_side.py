@@ -8,11 +8,11 @@ With several KV-cache groups loads are asynchronous instead (async_loads.py):
 the request runs only once its copies are done, so nothing waits per layer.
 
 Stores are issued in `wait_for_save`, which vLLM calls after the drafter's
-forward, so draft KV is complete. They run on another side stream after an
-event recorded on the compute stream; their source blocks stay alive because
-running requests keep their blocks, finished requests are held by vLLM until
-we report them in `finished_sending`, and a preemption makes us drain stores
-before the next forward (`handle_preemptions`).
+forward, so draft KV is complete: every store job of the step as one copy. They
+run on another side stream after an event recorded on the compute stream; their
+source blocks stay alive because running requests keep their blocks, finished
+requests are held by vLLM until we report them in `finished_sending`, and a
+preemption makes us drain stores before the next forward (`handle_preemptions`).
 
 This module issues the copies; which stores are still in flight and which finished
 requests they hold is `worker_stores`, audit checksums are `worker_audit`, and the
@@ -43,8 +43,8 @@ from vllm_draft_offload.transfers import (
     Descriptors,
     HostPool,
     LayerRegion,
+    UnitCopies,
     build_layer_regions,
-    layer_descriptors,
 )
 from vllm_draft_offload.worker_audit import SlotChecksums, job_slots
 from vllm_draft_offload.worker_l3 import L3Link
@@ -98,6 +98,7 @@ class DraftOffloadWorker:
         self.pool: HostPool | None = None
         self.copier: CopyEngine | None = None
         self.regions: list[LayerRegion] = []
+        self._copies: UnitCopies | None = None
         self._aliases: dict[str, str] = {}
         self._on_device = False
         self._load_stream: torch.cuda.Stream | None = None
@@ -143,6 +144,7 @@ class DraftOffloadWorker:
         self._on_device = sample.is_cuda
         num_slots = self.config.cpu_bytes // layout.unit_bytes
         self.pool = HostPool(num_slots, layout.unit_bytes, pin=self._on_device)
+        self._copies = UnitCopies(self.regions, self.pool)
         self.copier = CopyEngine(
             self.config.copy_path,
             self.pool,
@@ -183,23 +185,6 @@ class DraftOffloadWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def _job_descriptors(
-        self, region: LayerRegion, jobs: list[TransferJob], to_host: bool
-    ) -> Descriptors:
-        assert self.pool is not None
-        return Descriptors.concat(
-            [
-                layer_descriptors(
-                    region,
-                    self.pool,
-                    job.host_pages[region.group_index],
-                    job.gpu_blocks[region.group_index],
-                    to_host,
-                )
-                for job in jobs
-            ]
-        )
-
     def _ordered_regions(self) -> list[LayerRegion]:
         # Target layers first: the drafter runs after the whole target forward.
         return sorted(self.regions, key=lambda r: r.slot.is_draft)
@@ -220,10 +205,12 @@ class DraftOffloadWorker:
                 self._load_error_blocks.update(job.error_blocks)
                 self._failed_load_reqs.add(job.req_id)
                 self._failed_load_jobs.add(job.job_id)
+            assert self._copies is not None
             try:
+                layers = self._copies.layers(job.host_pages, job.gpu_blocks, to_host=False)
                 copies = {
-                    region.slot.name: self._job_descriptors(region, [job], to_host=False)
-                    for region in self.regions
+                    region.slot.name: desc
+                    for region, desc in zip(self.regions, layers, strict=True)
                 }
             except ValueError as exc:
                 logger.warning("DraftOffloadConnector: load job %d refused: %s", job.job_id, exc)
@@ -339,11 +326,12 @@ class DraftOffloadWorker:
         if not meta.stores:
             return
         self._stores.expect(meta.stores)
-        if self._on_device:
-            assert self._store_stream is not None
-            self._store_stream.wait_stream(torch.cuda.current_stream())
         failed_reqs, self._failed_load_reqs = self._failed_load_reqs, set()
         failed_jobs, self._failed_load_jobs = self._failed_load_jobs, set()
+        assert self._copies is not None
+        batch: list[InflightStore] = []
+        parts: list[Descriptors] = []
+        draft_bytes = 0
         for job in meta.stores:
             if job.req_id in failed_reqs or failed_jobs.intersection(job.after_loads):
                 logger.warning(
@@ -355,35 +343,47 @@ class DraftOffloadWorker:
                 self._stores.add(InflightStore(job, None, failed_cause="store_after_load_failure"))
                 continue
             try:
-                parts = [self._job_descriptors(r, [job], to_host=True) for r in self.regions]
+                desc, draft = self._copies.unit(job.host_pages, job.gpu_blocks, to_host=True)
             except ValueError as exc:
                 logger.warning("DraftOffloadConnector: store job %d refused: %s", job.job_id, exc)
                 self._stores.add(InflightStore(job, None, failed_cause="store_error"))
                 continue
-            desc = Descriptors.concat(parts)
-            draft = sum(
-                p.num_bytes for p, r in zip(parts, self.regions, strict=True) if r.slot.is_draft
-            )
-            store = InflightStore(job, None)
-            store.sizes = (
-                desc.num_bytes - draft,
-                draft,
-                self._num_chunks([job]) if self.counts_chunks else 0,
-            )
-            assert self.copier is not None
-            if self._on_device and desc.num_bytes:
-                # Timed on the store stream, recorded when it completes (_poll_stores).
-                assert self._store_stream is not None
-                store.start = torch.cuda.Event(enable_timing=True)
-                store.start.record(self._store_stream)
-                store.keepalive = self.copier.run(desc, "store", self._store_stream)
-                store.event = torch.cuda.Event(enable_timing=True)
-                store.event.record(self._store_stream)
-            else:
-                started = time.perf_counter()
-                self.copier.run(desc, "store", None)
-                seconds = time.perf_counter() - started
-                self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
+            parts.append(desc)
+            draft_bytes += draft
+            batch.append(InflightStore(job, None))
+        self._issue_stores(batch, Descriptors.concat(parts), draft_bytes)
+
+    def _issue_stores(
+        self, stores: list[InflightStore], desc: Descriptors, draft_bytes: int
+    ) -> None:
+        """The step's store jobs as one copy: one plan, one kernel launch and one DMA
+        batch, one pair of events (per job they cost a launch's CPU time each, on the
+        engine's critical path). The jobs complete together; the batch is timed as one
+        transfer, recorded with the first job."""
+        if not stores:
+            return
+        assert self.copier is not None
+        chunks = self._num_chunks([store.job for store in stores]) if self.counts_chunks else 0
+        lead = stores[0]
+        lead.sizes = (desc.num_bytes - draft_bytes, draft_bytes, chunks)
+        if self._on_device and desc.num_bytes:
+            assert self._store_stream is not None
+            # After this step's forward and drafter wrote the KV, on the store stream;
+            # timed there, recorded when it completes (get_transfer_results).
+            self._store_stream.wait_stream(torch.cuda.current_stream())
+            lead.start = torch.cuda.Event(enable_timing=True)
+            lead.start.record(self._store_stream)
+            lead.keepalive = self.copier.run(desc, "store", self._store_stream)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self._store_stream)
+            for store in stores:
+                store.event = end
+        else:
+            started = time.perf_counter()
+            self.copier.run(desc, "store", None)
+            seconds = time.perf_counter() - started
+            self.stats.record_transfer("store", "cpu", *lead.sizes, seconds)
+        for store in stores:
             self._stores.add(store)
 
     def _retire_store(self, store: InflightStore) -> None:

@@ -38,6 +38,11 @@ COMMANDS: tuple[Command, ...] = (
         "speed.decode_overhead",
         "decode tok/s storing every chunk vs no connector; multi-turn decode-KV reuse",
     ),
+    Command(
+        "hook-cost",
+        "speed.hook_cost",
+        "CPU microseconds of the connector's hooks per decode step (CPU, real Scheduler)",
+    ),
     Command("l3-speed", "speed.l3_fetch", "storage-tier fetch GB/s by threads, next to raw disk"),
     Command("shared-storage", "accept.shared_storage", "two engines, one fs:// dir: B hits A"),
     Command("pressure", "stress.pressure", "working set > GPU cache: outputs, hits, acceptance"),
@@ -51,8 +56,8 @@ EXAMPLES = f"""shared options, spelled the same in every command that has them:
   --fixtures DIR    the fixture directory `{PROG} fixtures --out DIR` wrote
   --out PATH        where results go: a directory (fixtures, bench, shared-storage,
                     pressure, soak, serve-bench) or a file (accept, table,
-                    restore-speed, copy-speed, decode-overhead, l3-speed,
-                    dashboard-render)
+                    restore-speed, copy-speed, decode-overhead, hook-cost,
+                    l3-speed, dashboard-render)
   --enforce-eager   engines without CUDA graphs: faster starts (the default of
                     pressure and soak, whose --compile turns it off)
 

@@ -9,6 +9,9 @@ Llama-3.2-1B geometry + a 2-layer drafter). Per shape, each configuration runs i
 own engine (a child process), one after another, ``--rounds`` times alternating:
 
 * ``none``: no KV connector (GPU prefix caching on, as in ``store``);
+* ``idle``: DraftOffloadConnector, CPU tier, with ``min_store_tokens`` above every
+  request's length: its hooks run every step, nothing is stored (what the connector
+  costs per step, apart from its copies);
 * ``store``: DraftOffloadConnector, CPU tier, ``store_decode`` on: every whole chunk of
   every request is stored, the prompt's while the batch decodes and the answer's as it
   is produced; no request ever hits (every prompt is new).
@@ -18,9 +21,10 @@ Each engine decodes ``--reps`` batches of ``--batch`` new prompts of
 a warm-up batch. Decode throughput is the batch's output tokens after the first, over
 the time from the last request's first token to the last request's last token (the
 engine's own timestamps); ``store_vs_none`` is the median of ``store`` over the median
-of ``none`` (the goal: >= 0.97). ``stored_fraction``: chunks the connector stored over
-the batch's whole chunks (the last token of an answer has no KV, so a request has
-``(prompt + decode - 1) // chunk`` of them).
+of ``none`` (the goal: >= 0.97), ``idle_vs_none`` the same for ``idle``.
+``stored_fraction``: chunks the connector stored over the batch's whole chunks (the
+last token of an answer has no KV, so a request has ``(prompt + decode - 1) // chunk``
+of them).
 
 The ``store`` engine then runs the multi-turn check: turn 1 answers ``--turn-prompts``
 prompts; turn 2 sends each prompt + its answer + new user tokens twice, once salted
@@ -58,7 +62,7 @@ EXAMPLES = """examples:
   vllm-draft-offload decode-overhead --shape small --rounds 2 --reps 2 --out /tmp/d.json
 """
 MODULE = "vllm_draft_offload.bench.speed.decode_overhead"
-CONFIGS = ("none", "store")
+CONFIGS = ("none", "idle", "store")
 GOAL = 0.97
 STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
 LOADED_BYTES = "vllm:draft_offload_loaded_bytes_total"
@@ -88,19 +92,32 @@ def whole_chunks(prompt_tokens: int, decode_tokens: int, chunk: int) -> int:
     return (prompt_tokens + decode_tokens - 1) // chunk
 
 
-def connector_config(config: str, cpu_gib: float, chunk: int) -> dict[str, Any] | None:
+def connector_config(
+    config: str,
+    cpu_gib: float,
+    chunk: int,
+    max_request_tokens: int = 0,
+    copy_path: str | None = None,
+) -> dict[str, Any] | None:
+    """The engine's ``kv_transfer_config``; ``idle`` stores no request of up to
+    ``max_request_tokens`` tokens; ``copy_path`` None leaves the connector's default."""
     if config == "none":
         return None
-    if config != "store":
+    if config not in CONFIGS:
         raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": int(cpu_gib * 2**30),
+        "chunk_size": chunk,
+        "store_decode": True,
+    }
+    if config == "idle":
+        extra["min_store_tokens"] = max_request_tokens + 1
+    if copy_path is not None:
+        extra["copy_path"] = copy_path
     return {
         "kv_connector": "DraftOffloadConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "cpu_bytes_to_use": int(cpu_gib * 2**30),
-            "chunk_size": chunk,
-            "store_decode": True,
-        },
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -168,7 +185,9 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         }
         if args.draft
         else None,
-        kv_transfer_config=connector_config(args.config, args.cpu_gib, args.chunk_size),
+        kv_transfer_config=connector_config(
+            args.config, args.cpu_gib, args.chunk_size, max_len + 64, args.copy_path
+        ),
         disable_log_stats=False,
         **cpu,
     )
@@ -194,12 +213,19 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
     generate(batch_prompts(-1, args.batch, args.prompt_tokens), args.decode_tokens)  # warm-up
     settle()
+    clock = hook_clock(*engine_parts(llm)) if args.time_hooks and args.config != "none" else None
     result: dict[str, Any] = {"config": args.config, "reps": []}
     for rep in range(args.reps):
         before = snapshot_metrics()
+        if clock is not None:
+            clock.on = True
         start = time.perf_counter()
         outs = generate(batch_prompts(rep, args.batch, args.prompt_tokens), args.decode_tokens)
         wall = time.perf_counter() - start
+        hooks = None
+        if clock is not None:
+            clock.on = False
+            hooks = clock.take()
         settled = settle()  # outside the timed window: the last stores land
         counters = metrics_delta(snapshot_metrics(), before)
         records = [request_record(o, None) for o in outs]
@@ -213,12 +239,58 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
                 "hit_tokens": sum(r["cached"] for r in records),
                 "acceptance_length": acceptance_length(counters),
                 "settled": settled,
+                **({"hooks": hooks} if hooks is not None else {}),
             }
         )
         print(args.config, json.dumps(result["reps"][-1]), flush=True)
     if args.config == "store" and args.turn_prompts > 0:
         result["turns"] = multi_turn(args, generate, settle, snapshot_metrics, metrics_delta)
     return result
+
+
+class HookClock:
+    """Wall time in the connector's hooks of an in-process engine (``--time-hooks``),
+    while ``on``: wall time, so a hook that waits for the GPU shows."""
+
+    def __init__(self) -> None:
+        from vllm_draft_offload.bench.speed.hook_cost import Clock
+
+        self.clock = Clock(time.perf_counter)
+        self.on = False
+
+    def take(self) -> dict[str, Any]:
+        """Milliseconds and calls per hook since the last take."""
+        step, calls = self.clock.step, self.clock.calls
+        self.clock.step, self.clock.calls = type(step)(float), type(calls)(int)
+        return {
+            "ms": {name: round(1e3 * seconds, 3) for name, seconds in sorted(step.items())},
+            "calls": dict(sorted(calls.items())),
+        }
+
+
+def engine_parts(llm: Any) -> tuple[Any, Any]:  # noqa: ANN401 - vllm.LLM
+    """vLLM's Scheduler and the worker's connector of an engine whose core and worker
+    run in this process (the child sets VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    core = llm.llm_engine.engine_core.engine_core  # LLMEngine -> InprocClient -> EngineCore
+    return core.scheduler, get_kv_transfer_group()
+
+
+def hook_clock(scheduler: Any, worker_connector: Any) -> HookClock:  # noqa: ANN401
+    """Time ``scheduler.schedule`` and the hooks of both connector halves while on."""
+    clock = HookClock()
+    inner = clock.clock
+    wrap = inner.wrap
+
+    def gated(name: str, func: Any) -> Any:  # noqa: ANN401
+        timed = wrap(name, func)
+        return lambda *a, **k: timed(*a, **k) if clock.on else func(*a, **k)
+
+    inner.wrap = gated  # type: ignore[method-assign]
+    inner.wrap_hooks(scheduler.connector, worker_connector)
+    scheduler.schedule = gated("schedule", scheduler.schedule)
+    return clock
 
 
 def multi_turn(args: argparse.Namespace, generate, settle, snapshot, delta) -> dict[str, Any]:  # noqa: ANN001
@@ -262,11 +334,12 @@ def summarize(report: dict[str, Any]) -> None:
             if rep.get("decode_tok_s")
         ]
         rates[config] = statistics.median(values) if values else None
-    none, store = rates.get("none"), rates.get("store")
+    none, idle, store = rates.get("none"), rates.get("idle"), rates.get("store")
     ratio = store / none if store and none else None
     summary: dict[str, Any] = {
         "decode_tok_s": rates,
         "store_vs_none": ratio,
+        "idle_vs_none": idle / none if idle and none else None,
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
     }
     store_reps = [rep for run in report["configs"].get("store", []) for rep in run.get("reps", [])]
@@ -313,6 +386,7 @@ def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "decode_tok_s_none": summary.get("decode_tok_s", {}).get("none"),
         "decode_tok_s_store": summary.get("decode_tok_s", {}).get("store"),
         "store_vs_none": summary.get("store_vs_none"),
+        "idle_vs_none": summary.get("idle_vs_none"),
         "stored_fraction": summary.get("stored_fraction"),
         "turn2_decode_kv_reused": turns.get("decode_kv_reused"),
         "turn2_outputs_match": turns.get("outputs_match"),
@@ -332,6 +406,10 @@ def child_command(
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if draft:
         cmd += ["--draft", draft]
+    if args.copy_path:
+        cmd += ["--copy-path", args.copy_path]
+    if args.time_hooks:
+        cmd.append("--time-hooks")
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.dry_run_cpu:
@@ -352,6 +430,7 @@ def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]
         + (0 if draft is None else kv_bytes_per_token(draft_shape)),
         **{k: getattr(args, k) for k in ("batch", "prompt_tokens", "decode_tokens", "chunk_size")},
         "enforce_eager": args.enforce_eager,
+        "copy_path": args.copy_path or "auto (connector default)",
         "configs": {config: [] for config in args.configs},
     }
     engines = [config for _ in range(args.rounds) for config in args.configs]
@@ -361,6 +440,8 @@ def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]
         env = os.environ.copy()
         if args.dry_run_cpu:
             env = {**CPU_ENV, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if args.time_hooks:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in the child's process
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not child_out.exists():
             run = {"error": proc.stderr[-3000:], "stdout_tail": proc.stdout[-2000:]}
@@ -378,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape", default="small,llama8b", help="of llama8b, small (comma-separated)"
     )
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="of none, store")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="of none, idle, store")
     parser.add_argument("--rounds", type=int, default=1, help="engines per config, alternating")
     parser.add_argument("--reps", type=int, default=3, help="timed batches per engine")
     parser.add_argument("--batch", type=int, default=16)
@@ -397,7 +478,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turn-user-tokens", type=int, default=64)
     parser.add_argument("--no-draft", action="store_true")
     parser.add_argument(
+        "--copy-path",
+        choices=("auto", "memcpy", "kernel"),
+        help="the connector's copy_path (default: its default); memcpy keeps stores off the SMs",
+    )
+    parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (decode is then CPU-bound)"
+    )
+    parser.add_argument(
+        "--time-hooks",
+        action="store_true",
+        help="engine in the child's process, the connector's hooks timed per batch "
+        "(reps[].hooks); tok/s then not comparable with runs without it",
     )
     parser.add_argument(
         "--dry-run-cpu",
