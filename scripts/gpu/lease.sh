@@ -10,6 +10,8 @@
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
 #   pressure  the pressure run with per-token margins: /root/pressure
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart
+#   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and
+#             the memcpy copy path (about 11 min): /root/decode_*.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
 #   hybrid    build /root/fx-hybrid (hybrid-mtp: Qwen3-Next-shaped, Mamba state in
 #             vLLM's align mode, random MTP layer), then its acceptance runs one engine
@@ -61,6 +63,12 @@ pressure)
 l3)
   bg l3 "vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
     --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json; echo l3-done" ;;
+decode)
+  bg decode "vllm-draft-offload decode-overhead --shape small --reps 5 --out /root/decode_small.json
+    vllm-draft-offload decode-overhead --shape small --configs idle,store --turn-prompts 0 --reps 2 \
+      --time-hooks --out /root/decode_hooks_small.json
+    vllm-draft-offload decode-overhead --shape small --configs store --copy-path memcpy \
+      --turn-prompts 0 --out /root/decode_memcpy_small.json; echo decode-done" ;;
 soak)
   bg soak "vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
     --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90; echo soak-done" ;;
@@ -85,6 +93,7 @@ collect)
   [ -d /root/serve ] && tar -czf "$OUT/serve.tgz" -C /root serve
   [ -d /root/pressure ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$OUT"/
   [ -f /root/restore_speed_l3.json ] && cp /root/restore_speed_l3.json "$OUT"/
+  cp /root/decode_*.json "$OUT"/ 2>/dev/null
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$OUT"/
   ls -la "$OUT" ;;
 *)
