@@ -35,7 +35,7 @@ from vllm_draft_offload.unit_codec import (
     encode_unit_into,
     unit_frame,
 )
-from vllm_draft_offload.unit_fetch import fetch_unit_into
+from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class WorkerL3:
             LayerSpec(slot.name, slot.is_draft, slot.nbytes) for slot in layout.layers
         )
         self.store = open_store(config, layout.unit_bytes)
+        # Bytes a fetch reads (and hashes) at a time (unit_fetch; benchmarks vary it).
+        self.fetch_piece_bytes = PIECE_BYTES
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind. Writes run one unit per task, as many at once as the
         # staging pool allows.
@@ -319,7 +321,13 @@ class WorkerL3:
         try:
             # Straight into the slot: it is not published before the result says ok.
             dest = memoryview(self.pool.unit_view(slot).numpy())
-            header = fetch_unit_into(self.store, object_key(chunk_key, self.rank), expected, dest)
+            header = fetch_unit_into(
+                self.store,
+                object_key(chunk_key, self.rank),
+                expected,
+                dest,
+                self.fetch_piece_bytes,
+            )
             if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))
                 return

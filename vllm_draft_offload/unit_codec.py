@@ -19,7 +19,7 @@ Without the digest, a flipped digit in an offset or a name could still parse and
 up as some other, misleading cause.
 
 Checksums are XXH3-128 (xxhash), the payload's and each layer's. A fetch reads a unit
-into its destination in pieces of about a MiB and hashes each piece while it is still in
+into its destination in pieces of a few MiB and hashes each piece while it is still in
 the CPU cache (``unit_fetch``, ``unit_verify.PayloadCheck``), so verifying costs a
 fraction of the copy. Measured on the dev box (AMD EPYC, AVX2, one thread), hashing a
 1 MiB buffer in cache:
