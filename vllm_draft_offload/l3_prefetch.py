@@ -54,6 +54,8 @@ SLOWER_THAN_RECOMPUTE = "slower_than_recompute"
 NOT_LOOKED_UP = "not_looked_up"
 SPEED_UNKNOWN = "speed_unknown"
 FETCH_TOO_SLOW = "fetch_too_slow"
+# Phases in which a request waits on storage.
+_WAITING = frozenset({"lookup", "probe", "fetch"})
 
 
 @dataclass
@@ -490,7 +492,11 @@ class L3Prefetch:
     def waiting(self, req_id: str) -> bool:
         """The request waits on a lookup or a fetch (for invariant checks)."""
         state = self._requests.get(req_id)
-        return state is not None and state.phase in ("lookup", "probe", "fetch")
+        return state is not None and state.phase in _WAITING
+
+    def any_waiting(self) -> bool:
+        """Some request waits on a lookup or a fetch."""
+        return any(s.phase in _WAITING for s in self._requests.values())
 
     def forget(self, req_id: str) -> None:
         state = self._requests.pop(req_id, None)
