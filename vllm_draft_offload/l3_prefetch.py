@@ -202,7 +202,8 @@ class L3Prefetch:
                 self.stats.record_fallback("l3_lookup_failed")
                 self._finish(state, "lookup_failed", 0)
                 return False
-            self.cost.storage.observe_round_trip(time.perf_counter() - state.lookup_started)
+            state.decision.lookup_s = time.perf_counter() - state.lookup_started
+            self.cost.storage.observe_round_trip(state.decision.lookup_s)
             self._start_fetches(req_id, state, keys, present)
         if state.phase in ("probe", "fetch") and state.jobs:
             if self._may_wait(state, landed):
@@ -394,6 +395,8 @@ class L3Prefetch:
             self.cost.storage.observe_pace(pace["fetch_s"] / pace["fetched"])
         state.phase = "done"
         decision = state.decision
+        if state.fetch_started is not None:
+            decision.fetch_s = time.monotonic() - state.fetch_started
         decision.outcome = outcome
         decision.landed = landed
         if self.cost.storage.samples and decision.unit_s is None:
