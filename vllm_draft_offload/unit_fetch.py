@@ -10,8 +10,9 @@ gives up the GIL and takes it back; while vLLM's engine thread steps (it does, e
 millisecond or so, while a request waits on storage) taking it back can wait out the
 engine's Python, and read threads queue for it behind each other. So pieces are as large
 as the last-level cache comfortably holds for several threads at once, not the size of
-a core's L2: 1 MiB pieces took the GIL about 80 times per 36 MiB unit, 4 MiB pieces about
-20 (``vllm-draft-offload l3-stages`` shows both).
+a core's L2: 1 MiB pieces took the GIL about 80 times per 36 MiB unit, 4 MiB pieces
+(with the header read along with LMCache's metadata) 23 times
+(``vllm-draft-offload l3-stages --piece-kib 1024,4096`` runs both).
 
 * fs://: each piece is read from the object's file straight into the destination
   (``L3Store.read_file``): no staging buffer, no event loop.
