@@ -112,6 +112,8 @@ class L3Prefetch:
         self.on_found: Callable[[Sequence[bytes]], None] | None = None
         self.on_unusable: Callable[[bytes], None] | None = None
         self._requests: dict[str, L3RequestState] = {}
+        # Requests waiting on a lookup or fetch (read every step: any_waiting).
+        self._waiting: set[str] = set()
         # Units pinned for a request while it waits on its lookup or fetches.
         self._pins: dict[str, list[UnitId]] = {}
         self._pending_fetches: list[FetchJob] = []
@@ -271,6 +273,7 @@ class L3Prefetch:
         self._pin(req_id, (view.handle for _, view in match.chunks))  # type: ignore[misc]
         state.lookup_started = time.perf_counter()
         state.lookup = self.lookup.lookup(list(keys[first:last]))
+        self._waiting.add(req_id)
         return state
 
     def _may_wait(self, state: L3RequestState, landed: int) -> bool:
@@ -395,6 +398,7 @@ class L3Prefetch:
             self.cost.storage.observe_pace(pace["fetch_s"] / pace["fetched"])
         state.phase = "done"
         decision = state.decision
+        self._waiting.discard(decision.req_id)
         if state.fetch_started is not None:
             decision.fetch_s = time.monotonic() - state.fetch_started
         decision.outcome = outcome
@@ -499,7 +503,7 @@ class L3Prefetch:
 
     def any_waiting(self) -> bool:
         """Some request waits on a lookup or a fetch."""
-        return any(s.phase in _WAITING for s in self._requests.values())
+        return bool(self._waiting)
 
     def forget(self, req_id: str) -> None:
         state = self._requests.pop(req_id, None)
