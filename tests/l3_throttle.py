@@ -3,7 +3,9 @@
 Every `exists`/`get` the L3Store sends to its connector first sleeps on the
 store's event loop, so concurrent calls overlap the way a remote backend's do.
 fs:// fetches read the object's file on the calling thread (`L3Store.read_file`),
-without the connector: each sleeps `get` there first, on its own thread.
+and fs:// lookups stat the files there (`L3Store._files_exist`), without the
+connector: each sleeps `get` (a read) or `exists` (a lookup's round) there first, on
+its own thread.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class SlowConnector:
     def __init__(self, inner: Any, delays: dict[str, float]) -> None:
         self._inner = inner
         self._delays = delays
-        # Reads sleeping at once (all on the store's loop thread: no lock needed).
+        # Calls sleeping at once.
         self.gets_in_flight = self.max_gets_in_flight = 0
         self.exists_in_flight = self.max_exists_in_flight = 0
         self._lock = threading.Lock()  # read_file sleeps on the callers' threads
@@ -29,14 +31,30 @@ class SlowConnector:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def _exists_started(self) -> None:
+        with self._lock:
+            self.exists_in_flight += 1
+            self.max_exists_in_flight = max(self.max_exists_in_flight, self.exists_in_flight)
+
+    def _exists_ended(self) -> None:
+        with self._lock:
+            self.exists_in_flight -= 1
+
     async def exists(self, key: Any) -> bool:
-        self.exists_in_flight += 1
-        self.max_exists_in_flight = max(self.max_exists_in_flight, self.exists_in_flight)
+        self._exists_started()
         try:
             await asyncio.sleep(self._delays.get("exists", 0.0))
         finally:
-            self.exists_in_flight -= 1
+            self._exists_ended()
         return await self._inner.exists(key)
+
+    def files_exist(self, check: Callable[..., Any], lkeys: Any) -> Any:
+        self._exists_started()
+        try:
+            time.sleep(self._delays.get("exists", 0.0))
+        finally:
+            self._exists_ended()
+        return check(lkeys)
 
     async def get(self, key: Any) -> Any:
         self.gets_in_flight += 1
@@ -67,4 +85,6 @@ def throttle(store: L3Store | None, **delays: float) -> SlowConnector:
     store._conn = slow  # type: ignore[assignment]
     read = store.read_file
     store.read_file = lambda key, consume: slow.read_file(read, key, consume)  # type: ignore[method-assign]
+    check = store._files_exist
+    store._files_exist = lambda lkeys: slow.files_exist(check, lkeys)  # type: ignore[method-assign]
     return slow

@@ -32,6 +32,7 @@ SHARED = {
     "decode-overhead": {OUT, EAGER},
     "hook-cost": {OUT},
     "l3-speed": {OUT},
+    "l3-stages": {OUT},
     "shared-storage": {FIX, OUT, EAGER},
     "pressure": {FIX, OUT, EAGER},
     "soak": {FIX, OUT, EAGER},

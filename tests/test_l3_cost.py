@@ -357,6 +357,13 @@ def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Pa
         assert not published.get("l3_declined")
     probe = next(d for d in eng.scheduler.connector.scheduler.l3.log.recent if d.req_id == "probe")
     assert probe.probe.startswith("1/1 landed"), probe.line()
+    # The wait, split: the lookup's round trip, then the fetch (after the probe).
+    hit = eng.scheduler.connector.scheduler.l3.log.recent[-1]
+    assert hit.req_id == "hit" and hit.outcome == "fetched", hit.line()
+    assert hit.lookup_s is not None and hit.fetch_s is not None, hit.line()
+    assert min(hit.lookup_s, hit.fetch_s) > 0
+    assert hit.lookup_s + hit.fetch_s <= hit.waited_s
+    assert f"(lookup {hit.lookup_s:.4f} s, fetch {hit.fetch_s:.4f} s)" in hit.line()
     eng.worker.shutdown()
 
 

@@ -49,3 +49,35 @@ def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> N
              "--reps", "1", "--modes", "warm"]
         )  # fmt: skip
     assert set(report["fetch_GBps"]) == {"warm"} and "raw" not in report
+
+
+def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path) -> None:
+    out = tmp_path / "stages.json"
+    rc = cli.main(
+        ["l3-stages", "--dir", str(tmp_path / "l3"), "--unit-mb", "0.6", "--units", "3",
+         "--threads", "2", "--reps", "1", "--engine-loop-ms", "0,0.5", "--writes", "0,2",
+         "--piece-kib", "64", "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    rows = report["scenarios"]
+    # Every engine loop x writes (not held, and held to one at a time).
+    assert [(r["piece_kib"], r["engine_loop_ms"], r["writes"], r["writes_held"]) for r in rows] == [
+        (piece, loop, writes, held)
+        for piece in (64,)
+        for loop in (0, 0.5)
+        for writes, held in ((0, False), (2, False), (2, True))
+    ]
+    unit = report["unit_bytes"]
+    assert unit == 36 * 16 * (int(0.6 * 2**20) // 36 // 16)
+    for row in rows:
+        assert row["fetch_GBps"] > 0 and row["raw_GBps"] > 0
+        assert row["fetch_vs_raw"] == row["fetch_GBps"] / row["raw_GBps"]
+        stages = row["stages_ms_per_unit"]
+        assert stages["read"] > 0 and stages["checksum"] > 0
+        assert stages["total"] >= stages["read"] + stages["checksum"]
+        # The payload in pieces (the header came with LMCache's metadata); one hash each.
+        assert row["pieces_per_unit"] == -(-unit // (row["piece_kib"] << 10))
+        assert row["checksum_calls_per_unit"] == row["pieces_per_unit"]
+    # The background writes' files are gone; the units stay for the next run.
+    assert len(list((tmp_path / "l3").glob("*.data"))) == 3

@@ -183,6 +183,11 @@ class PrefetchMachine(RuleBasedStateMachine):
         assert len(slots) + len(free) == SLOTS, "budget"
 
     @invariant()
+    def any_waiting_is_some_request_waiting(self) -> None:
+        # What the scheduler tells the workers with every step (they hold writes).
+        assert self.prefetch.any_waiting() == any(self.prefetch.waiting(r) for r in REQUESTS)
+
+    @invariant()
     def waiting_requests_keep_their_head(self) -> None:
         for req_id, units in self.waiting_on.items():
             if self.prefetch.waiting(req_id):

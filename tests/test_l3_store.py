@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -318,6 +319,24 @@ def test_fs_objects_survive_a_process_restart(tmp_path: Path) -> None:
 
     assert got.pop("_healthy") is True
     assert got == {**{k: digest(v) for k, v in units.items()}, missing: None}
+
+
+def test_fs_lookups_stat_the_files_without_lmcaches_event_loop(tmp_path: Path) -> None:
+    """fs:// existence checks run on the caller's thread (no hop to LMCache's loop and
+    its executor per key): they answer, the same as LMCache's own exists, while the
+    store's event loop is busy."""
+    with open_store(fs_url(tmp_path / "l3")) as store:
+        keys = [f"{i:02x}" for i in range(1, 65)]
+        for key in keys[::2]:
+            store.put(key, b"unit " + key.encode())
+        expected = [store.contains(key) for key in keys]  # LMCache's FSConnector.exists
+        assert expected == [i % 2 == 0 for i in range(64)]
+        loop_busy = threading.Event()
+        store._loop.call_soon_threadsafe(lambda: (loop_busy.set(), time.sleep(1.5)))
+        assert loop_busy.wait(5)
+        t0 = time.monotonic()
+        assert store.contains_many(keys) == expected
+        assert_fast(t0)
 
 
 def test_fs_remove(tmp_path: Path) -> None:

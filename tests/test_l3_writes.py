@@ -391,3 +391,61 @@ def test_full_cpu_tier_drops_queued_tails_instead_of_blocking_stores(
         assert not store.contains(object_key(a_keys[3], 0))
     finally:
         store.close()
+
+
+def test_writes_go_one_at_a_time_while_a_request_waits_on_storage(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write-behind yields to the fetches a request waits on: while the scheduler says a
+    request waits on storage (with every step), a worker starts a write only when no
+    other runs; before, writes run in parallel; every write still lands."""
+    url = f"fs://{tmp_path / 'l3'}"
+    hit_tokens = prompt(54, 3 * CHUNK + 2)
+    first = l3_engine(model_dirs, url)
+    first.add_request("fill", hit_tokens, max_tokens=1)
+    serve(first)
+    settle_writes(first)
+    first.worker.shutdown()
+
+    l3 = {"enabled": True, "timeout_s": 5.0, "io_threads": 2, "hit_policy": "always"}
+    eng = l3_engine(model_dirs, url, extra_config={"l3": l3})
+    worker_l3 = eng.worker.worker.l3
+    assert worker_l3 is not None and worker_l3.write_threads == 2
+    gate = threading.Event()
+    starts: list[tuple[bool, int]] = []  # (writes held, writes in flight) as each starts
+    real_encode = l3_tier.encode_unit_into
+
+    def encode_when_let(*args: object, **kwargs: object) -> object:
+        starts.append((worker_l3._hold_writes, worker_l3._writes_in_flight))
+        gate.wait(10)
+        return real_encode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(l3_tier, "encode_unit_into", encode_when_let)
+    eng.add_request("fresh", prompt(55, 6 * CHUNK + 2), max_tokens=1)
+    serve(eng)
+    deadline = time.monotonic() + 10
+    while worker_l3.pending_writes() < 6 or len(starts) < 2:  # all queued, two started
+        assert time.monotonic() < deadline, (worker_l3.pending_writes(), starts)
+        eng.step()
+        time.sleep(0.01)
+    assert [held for held, _ in starts] == [False, False]
+    assert max(running for _, running in starts) == 2  # both write threads busy
+
+    eng.add_request("hit", hit_tokens, max_tokens=2)
+    eng.step()  # its lookup starts; the step's metadata tells the worker
+    assert worker_l3._hold_writes
+    gate.set()
+    assert worker_l3.flush(10)  # no step meanwhile: the request still waits
+    assert len(starts) == 6
+    assert starts[2:] == [(True, 1)] * 4
+
+    eng.run_prefill("hit")
+    assert eng.external_hits["hit"] == 3 * CHUNK
+    eng.step()
+    assert not worker_l3._hold_writes  # admitted: nothing waits on storage
+    settle_writes(eng)
+    eng.step()
+    published = eng.take_published()
+    assert published["chunks"]["store/l3"] == 6
+    assert "store_failed" not in published.get("fallbacks", {})
+    eng.worker.shutdown()

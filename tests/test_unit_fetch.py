@@ -20,12 +20,16 @@ from redis_fixture import RedisServer, redis_server_binary
 from test_unit_codec import DEFECTS, _layers, _pack
 
 from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_fs_reads import HEAD_BYTES
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import LayerSpec, UnitRejected, read_header
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck
 
 KEY = "3f" * 16
+# Pieces these tests read in (the product's are larger: the logic is the same, and a
+# unit of several pieces stays small).
+PIECE = 1 << 20
 
 
 def _open(url: str, timeout_s: float = 2.0) -> L3Store:
@@ -62,11 +66,11 @@ def store(request: pytest.FixtureRequest, stores: dict[str, L3Store]) -> L3Store
 
 
 def _big_unit(rng: random.Random) -> tuple[bytes, bytes, ExpectedUnit]:
-    """A unit of several pieces: 3 target layers of 1 MiB and 2 small draft layers."""
+    """A unit of several pieces of PIECE: 3 target layers of 1 MiB and 2 small draft layers."""
     layers = [(f"t{i}", False, rng.randbytes(1 << 20)) for i in range(3)]
     layers += [(f"d{i}", True, rng.randbytes(96 << 10)) for i in range(2)]
     header, blob = _pack(layers, key=KEY)
-    assert header.payload_nbytes > 3 * PIECE_BYTES
+    assert header.payload_nbytes > 3 * PIECE
     expected = ExpectedUnit(
         key=KEY,
         geometry_fingerprint=header.geometry_fingerprint,
@@ -81,13 +85,15 @@ def _name(rng: random.Random) -> str:
     return rng.randbytes(16).hex()
 
 
-def test_fetch_lands_the_payload_bit_exact(store: L3Store) -> None:
+@pytest.mark.parametrize("piece", [PIECE, PIECE_BYTES, 4096 + 64])
+def test_fetch_lands_the_payload_bit_exact(store: L3Store, piece: int) -> None:
+    """In pieces of PIECE, the product's, and an odd size (a short last piece)."""
     rng = random.Random(1)
     blob, payload, expected = _big_unit(rng)
     name = _name(rng)
     store.put(name, blob)
     dest = bytearray(b"\xaa" * len(payload))
-    header = fetch_unit_into(store, name, expected, memoryview(dest))
+    header = fetch_unit_into(store, name, expected, memoryview(dest), piece)
     assert header == read_header(blob)[0]
     assert dest == payload
     assert fetch_unit_into(store, _name(rng), expected, memoryview(dest)) is None
@@ -140,19 +146,53 @@ def test_payload_check_is_the_payload_checksum_whatever_the_pieces(
         assert exc.value.cause == cause
 
 
-@pytest.mark.parametrize("where", ["middle_piece", "last_byte"])
+@pytest.mark.parametrize("where", ["first_byte", "middle_piece", "last_byte"])
 def test_byte_flipped_in_a_copied_piece_is_refused(store: L3Store, where: str) -> None:
-    """The damaged piece has already landed when its hash is checked: still refused."""
+    """The damaged piece has already landed when its hash is checked: still refused. The
+    first byte also lies in what fs:// read with the header (the head), so this is the
+    payload read into the destination that is checked, not the head."""
     rng = random.Random(2)
     blob, payload, expected = _big_unit(rng)
-    offset = 2 * PIECE_BYTES + PIECE_BYTES // 2 if where == "middle_piece" else len(payload) - 1
+    offset = {"first_byte": 0, "middle_piece": 2 * PIECE + PIECE // 2}.get(where, len(payload) - 1)
     bad = bytearray(blob)
     bad[len(blob) - len(payload) + offset] ^= 0x10
     name = _name(rng)
     store.put(name, bytes(bad))
     with pytest.raises(UnitRejected) as exc:
-        fetch_unit_into(store, name, expected, memoryview(bytearray(len(payload))))
+        fetch_unit_into(store, name, expected, memoryview(bytearray(len(payload))), PIECE)
     assert exc.value.cause == "checksum_mismatch"
+
+
+def test_header_longer_than_the_head_read_is_read_whole(store: L3Store) -> None:
+    """fs:// reads the header with LMCache's metadata in one read of HEAD_BYTES; a header
+    longer than that (hundreds of layers with long names) costs one more read, and
+    damage past the head is still refused."""
+    rng = random.Random(5)
+    name_tail = "x" * 200
+    layers = [(f"layer.{i}.{name_tail}", i % 9 == 8, rng.randbytes(64)) for i in range(400)]
+    header, blob = _pack(layers, key=KEY)
+    assert len(blob) - header.payload_nbytes > HEAD_BYTES
+    expected = ExpectedUnit(
+        key=KEY,
+        geometry_fingerprint=header.geometry_fingerprint,
+        drafter_id=header.drafter_id,
+        layers=tuple(LayerSpec(n, d, len(b)) for n, d, b in layers),
+        num_tokens=header.num_tokens,
+    )
+    name = _name(rng)
+    store.put(name, blob)
+    dest = bytearray(header.payload_nbytes)
+    assert fetch_unit_into(store, name, expected, memoryview(dest)) == header
+    assert dest == b"".join(b for _, _, b in layers)
+
+    bad = bytearray(blob)
+    at = blob.index(f"layer.399.{name_tail}".encode())
+    assert at > HEAD_BYTES
+    bad[at] ^= 0x01  # inside the header, past the head: the header digest fails
+    store.put(name + "0", bytes(bad))
+    with pytest.raises(UnitRejected) as exc:
+        fetch_unit_into(store, name + "0", expected, memoryview(dest))
+    assert exc.value.cause == "corrupt_header"
 
 
 def _fs_file(stores: dict[str, L3Store], fs_dir: Path, blob: bytes, name: str) -> Path:
@@ -161,7 +201,7 @@ def _fs_file(stores: dict[str, L3Store], fs_dir: Path, blob: bytes, name: str) -
     return path
 
 
-@pytest.mark.parametrize("damage", ["cut_in_payload", "cut_in_metadata", "grown"])
+@pytest.mark.parametrize("damage", ["cut_in_payload", "cut_in_header", "cut_in_metadata", "grown"])
 def test_fs_file_damaged_on_disk_is_a_corrupt_object(
     stores: dict[str, L3Store], fs_dir: Path, damage: str
 ) -> None:
@@ -175,7 +215,8 @@ def test_fs_file_damaged_on_disk_is_a_corrupt_object(
         with path.open("ab") as f:
             f.write(b"\0")
     else:
-        os.truncate(path, 10 if damage == "cut_in_metadata" else path.stat().st_size // 2)
+        cut = {"cut_in_metadata": 10, "cut_in_header": 100}.get(damage, path.stat().st_size // 2)
+        os.truncate(path, cut)
     with pytest.raises(L3Error) as exc:
         fetch_unit_into(stores["fs"], name, expected, memoryview(bytearray(len(payload))))
     assert exc.value.kind == "corrupt"
@@ -191,7 +232,7 @@ def test_fs_file_cut_while_being_read_is_a_corrupt_object(
     path = _fs_file(stores, fs_dir, blob, name)
 
     def cut_then_read(file) -> None:  # type: ignore[no-untyped-def]
-        os.truncate(path, path.stat().st_size - PIECE_BYTES)
+        os.truncate(path, path.stat().st_size - PIECE)
         file.readinto(0, memoryview(bytearray(file.nbytes)))
 
     with pytest.raises(L3Error) as exc:
@@ -211,7 +252,7 @@ def test_fs_read_past_its_deadline_stops_and_trips_the_breaker(tmp_path: Path) -
 
         def slow(file) -> None:  # type: ignore[no-untyped-def]
             time.sleep(0.4)
-            file.readinto(0, memoryview(dest)[:PIECE_BYTES])
+            file.readinto(0, memoryview(dest)[:PIECE])
 
         with pytest.raises(L3Error) as exc:
             store.read_file(name, slow)

@@ -4,8 +4,9 @@ One line per storage lookup, once the request stops waiting: the chunks the CPU
 tier had, the range looked up and what storage held, the `l3.hit_policy`
 decision (fetched, or declined and why), the estimated load and recompute times
 behind it, the probe's outcome, and how long the request waited against its
-allowance. Logged at DEBUG, or at INFO with `l3.log_decisions: true`; every
-SUMMARY_INTERVAL_S a summary line at INFO counts the decisions since the last.
+allowance, with the lookup's round trip and the fetch's time in it. Logged at
+DEBUG, or at INFO with `l3.log_decisions: true`; every SUMMARY_INTERVAL_S a
+summary line at INFO counts the decisions since the last.
 
 The logger is `vllm.draft_offload.l3`: under vLLM's own logger, so vLLM's handler,
 format and VLLM_LOGGING_LEVEL / VLLM_LOGGING_CONFIG_PATH apply to it.
@@ -45,6 +46,10 @@ class L3Decision:
     probe: str = "none"
     allowance_s: float | None = None  # the wait allowance when it stopped waiting
     waited_s: float = 0.0
+    # Of the wait: the lookup's round trip, and from the fetch's start (after the probe,
+    # if any) until the request stopped waiting. None: not done.
+    lookup_s: float | None = None
+    fetch_s: float | None = None
     started: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -60,7 +65,8 @@ class L3Decision:
             f"fetch {self.wanted}, landed {self.landed}; est load {secs(self.load_s)} s "
             f"(unit {secs(self.unit_s)} s) vs recompute {secs(self.recompute_s)} s "
             f"({self.estimate_source}); probe {self.probe}; "
-            f"waited {self.waited_s:.4f} s of {secs(self.allowance_s)} s"
+            f"waited {self.waited_s:.4f} s of {secs(self.allowance_s)} s "
+            f"(lookup {secs(self.lookup_s)} s, fetch {secs(self.fetch_s)} s)"
         )
 
 

@@ -12,6 +12,11 @@ The file is what ``FSConnector.put`` wrote: LMCache's ``RemoteMetadata`` (the ob
 length, shape and dtype), then the object's bytes. A file whose size disagrees with its
 metadata is reported as corrupt, as a failed ``FSConnector.get`` of an existing key is.
 
+Opening an object costs one read for LMCache's metadata, the unit's framing and header
+together (``HEAD_BYTES``): every system call gives up the GIL and has to take it back,
+which under a busy engine thread (vLLM's loop steps while a request waits on storage)
+can cost more than the call itself.
+
 Reads are blocking and cannot be cancelled once in the kernel, so ``ObjectFile``
 checks the caller's deadline before each piece: a slow disk costs at most the timeout
 plus one piece, and nothing is written into the caller's buffer after the call returns.
@@ -36,6 +41,10 @@ from vllm_draft_offload.l3_backends import CorruptObject
 # A file read this far ahead of the reader tells the kernel that the access is
 # sequential (a larger readahead window for cold files; no cost when cached).
 _SEQUENTIAL: Final = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
+# Read with LMCache's metadata when a file is opened: the unit's framing and header
+# (about 130 bytes per layer) fit for any model with up to a few hundred layers; a
+# longer header costs one more read.
+HEAD_BYTES: Final = 64 << 10
 
 
 class DeadlineExceeded(TimeoutError):
@@ -43,13 +52,19 @@ class DeadlineExceeded(TimeoutError):
 
 
 class ObjectFile:
-    """One stored object's bytes in an open file: ``nbytes`` bytes from ``start``."""
+    """One stored object's bytes in an open file: ``nbytes`` bytes from ``start``.
 
-    def __init__(self, fd: int, start: int, nbytes: int, deadline: float) -> None:
+    ``head`` holds the object's first bytes, read when the file was opened.
+    """
+
+    def __init__(
+        self, fd: int, start: int, nbytes: int, deadline: float, head: bytes = b""
+    ) -> None:
         self.fd = fd
         self.start = start
         self.nbytes = nbytes
         self.deadline = deadline
+        self.head = head[:nbytes]
 
     def readinto(self, pos: int, buf: memoryview) -> None:
         """Fill ``buf`` with the object's bytes from ``pos``; a short file is corrupt."""
@@ -66,6 +81,9 @@ class ObjectFile:
             done += n
 
     def read(self, pos: int, nbytes: int) -> bytes:
+        """The object's bytes [pos, pos + nbytes): from ``head`` when it holds them."""
+        if pos >= 0 and pos + nbytes <= len(self.head):
+            return self.head[pos : pos + nbytes]
         out = bytearray(nbytes)
         self.readinto(pos, memoryview(out))
         return bytes(out)
@@ -89,12 +107,12 @@ def open_object_file(conn: FSConnector, key: CacheEngineKey, deadline: float) ->
         return None
     try:
         meta_bytes = conn.remote_metadata_bytes
-        raw = os.pread(fd, meta_bytes, 0)
+        raw = os.pread(fd, meta_bytes + HEAD_BYTES, 0)
         size = os.fstat(fd).st_size
         if len(raw) < meta_bytes:
             raise CorruptObject(f"{path.name}: {size} bytes, shorter than LMCache's metadata")
         try:
-            length = RemoteMetadata.deserialize(raw).length
+            length = RemoteMetadata.deserialize(raw[:meta_bytes]).length
         except (ValueError, KeyError) as e:  # an unknown format or dtype code
             raise CorruptObject(f"{path.name}: unreadable LMCache metadata ({e})") from e
         if length <= 0 or size != meta_bytes + length:
@@ -103,7 +121,7 @@ def open_object_file(conn: FSConnector, key: CacheEngineKey, deadline: float) ->
             )
         if _SEQUENTIAL is not None:
             os.posix_fadvise(fd, meta_bytes, length, _SEQUENTIAL)
-        return ObjectFile(fd, meta_bytes, length, deadline)
+        return ObjectFile(fd, meta_bytes, length, deadline, raw[meta_bytes:])
     except BaseException:
         os.close(fd)
         raise

@@ -54,6 +54,8 @@ SLOWER_THAN_RECOMPUTE = "slower_than_recompute"
 NOT_LOOKED_UP = "not_looked_up"
 SPEED_UNKNOWN = "speed_unknown"
 FETCH_TOO_SLOW = "fetch_too_slow"
+# Phases in which a request waits on storage.
+_WAITING = frozenset({"lookup", "probe", "fetch"})
 
 
 @dataclass
@@ -110,6 +112,8 @@ class L3Prefetch:
         self.on_found: Callable[[Sequence[bytes]], None] | None = None
         self.on_unusable: Callable[[bytes], None] | None = None
         self._requests: dict[str, L3RequestState] = {}
+        # Requests waiting on a lookup or fetch (read every step: any_waiting).
+        self._waiting: set[str] = set()
         # Units pinned for a request while it waits on its lookup or fetches.
         self._pins: dict[str, list[UnitId]] = {}
         self._pending_fetches: list[FetchJob] = []
@@ -200,7 +204,8 @@ class L3Prefetch:
                 self.stats.record_fallback("l3_lookup_failed")
                 self._finish(state, "lookup_failed", 0)
                 return False
-            self.cost.storage.observe_round_trip(time.perf_counter() - state.lookup_started)
+            state.decision.lookup_s = time.perf_counter() - state.lookup_started
+            self.cost.storage.observe_round_trip(state.decision.lookup_s)
             self._start_fetches(req_id, state, keys, present)
         if state.phase in ("probe", "fetch") and state.jobs:
             if self._may_wait(state, landed):
@@ -268,6 +273,7 @@ class L3Prefetch:
         self._pin(req_id, (view.handle for _, view in match.chunks))  # type: ignore[misc]
         state.lookup_started = time.perf_counter()
         state.lookup = self.lookup.lookup(list(keys[first:last]))
+        self._waiting.add(req_id)
         return state
 
     def _may_wait(self, state: L3RequestState, landed: int) -> bool:
@@ -392,6 +398,9 @@ class L3Prefetch:
             self.cost.storage.observe_pace(pace["fetch_s"] / pace["fetched"])
         state.phase = "done"
         decision = state.decision
+        self._waiting.discard(decision.req_id)
+        if state.fetch_started is not None:
+            decision.fetch_s = time.monotonic() - state.fetch_started
         decision.outcome = outcome
         decision.landed = landed
         if self.cost.storage.samples and decision.unit_s is None:
@@ -490,7 +499,11 @@ class L3Prefetch:
     def waiting(self, req_id: str) -> bool:
         """The request waits on a lookup or a fetch (for invariant checks)."""
         state = self._requests.get(req_id)
-        return state is not None and state.phase in ("lookup", "probe", "fetch")
+        return state is not None and state.phase in _WAITING
+
+    def any_waiting(self) -> bool:
+        """Some request waits on a lookup or a fetch."""
+        return bool(self._waiting)
 
     def forget(self, req_id: str) -> None:
         state = self._requests.pop(req_id, None)

@@ -35,7 +35,7 @@ from vllm_draft_offload.unit_codec import (
     encode_unit_into,
     unit_frame,
 )
-from vllm_draft_offload.unit_fetch import fetch_unit_into
+from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ def open_store(config: L3Config, unit_bytes: int = 0) -> L3Store | None:
 
 # Room for a unit's header in a staging buffer (generous: layer table and checksums).
 STAGING_HEADER_BYTES = 64 << 10
+# Writes in flight per worker while a request waits on storage (hold_writes): the
+# fetches it waits on get the cores, memory bandwidth and GIL that write-behind (a
+# copy, two hash passes and a file write per unit) would take, and writes still drain.
+WRITES_WHILE_READS_WAIT = 1
 
 
 def write_concurrency(io_threads: int, store: L3Store | None, unit_bytes: int) -> int:
@@ -118,6 +122,8 @@ class WorkerL3:
             LayerSpec(slot.name, slot.is_draft, slot.nbytes) for slot in layout.layers
         )
         self.store = open_store(config, layout.unit_bytes)
+        # Bytes a fetch reads (and hashes) at a time (unit_fetch; benchmarks vary it).
+        self.fetch_piece_bytes = PIECE_BYTES
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind. Writes run one unit per task, as many at once as the
         # staging pool allows.
@@ -136,6 +142,7 @@ class WorkerL3:
         self._awaiting_store: set[int] = set()
         self._cancelled: set[int] = set()
         self._writes_in_flight = 0
+        self._hold_writes = False
         self._write_seq = itertools.count()
         self.lost_at_shutdown = 0
         # (released | ok | failed, write id), drained into the worker metadata.
@@ -213,6 +220,14 @@ class WorkerL3:
         self.write_reports.put(("released", write_id))
         self.write_reports.put(("failed", write_id))
 
+    def hold_writes(self, hold: bool) -> None:
+        """While `hold` (a request waits on storage: the scheduler says so with every
+        step), at most WRITES_WHILE_READS_WAIT writes run at once."""
+        with self._write_cv:
+            if hold != self._hold_writes:
+                self._hold_writes = hold
+                self._write_cv.notify_all()
+
     def pending_writes(self) -> int:
         with self._write_cv:
             return len(self._queued) + self._writes_in_flight
@@ -230,6 +245,8 @@ class WorkerL3:
 
     def _write_next(self) -> None:
         with self._write_cv:
+            while self._hold_writes and self._writes_in_flight >= WRITES_WHILE_READS_WAIT:
+                self._write_cv.wait()
             order = None
             while self._write_heap:
                 _, _, candidate = heapq.heappop(self._write_heap)
@@ -319,7 +336,13 @@ class WorkerL3:
         try:
             # Straight into the slot: it is not published before the result says ok.
             dest = memoryview(self.pool.unit_view(slot).numpy())
-            header = fetch_unit_into(self.store, object_key(chunk_key, self.rank), expected, dest)
+            header = fetch_unit_into(
+                self.store,
+                object_key(chunk_key, self.rank),
+                expected,
+                dest,
+                self.fetch_piece_bytes,
+            )
             if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))
                 return
@@ -352,6 +375,7 @@ class WorkerL3:
         then stop; returns how many units could not be written (also logged)."""
         timeout = self.config.flush_timeout_s if flush_timeout_s is None else flush_timeout_s
         self._read_pool.shutdown(wait=True, cancel_futures=True)
+        self.hold_writes(False)  # no request waits any more: flush at full speed
         if not self.flush(timeout):
             with self._write_cv:
                 lost = len(self._queued) + self._writes_in_flight

@@ -94,6 +94,9 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # Store jobs with L3 writes that failed on some rank or were failed afterwards:
     # their KV may be wrong, so it never reaches storage.
     l3_abort_jobs: list[int] = field(default_factory=list)
+    # Some request waits on a storage lookup or fetch: workers hold write-behind to
+    # one unit at a time meanwhile (WorkerL3.hold_writes).
+    l3_reads_waiting: bool = False
 
 
 @dataclass

@@ -9,7 +9,7 @@ whole payload in a second pass over memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_draft_offload.unit_codec import (
     Buffer,
@@ -36,12 +36,18 @@ class ExpectedUnit:
     layers: tuple[LayerSpec, ...]
     successor_tokens: tuple[int, ...] | None = None
     num_tokens: int | None = None
+    table: tuple[tuple[str, bool, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self,
             "layers",
             tuple(s if isinstance(s, LayerSpec) else LayerSpec(*s) for s in self.layers),
+        )
+        # The layer table as plain tuples: compared with a header's in one C-level
+        # comparison (a fetch checks it on a read thread, holding the GIL).
+        object.__setattr__(
+            self, "table", tuple((s.name, s.is_draft, s.nbytes) for s in self.layers)
         )
         if self.successor_tokens is not None:
             object.__setattr__(self, "successor_tokens", tuple(self.successor_tokens))
@@ -75,6 +81,10 @@ def check_expected(header: UnitHeader, expected: ExpectedUnit) -> None:
             "successor_mismatch",
             f"stored {list(header.successor_tokens)}, wanted {list(expected.successor_tokens)}",
         )
+    stored = tuple((e.name, e.is_draft, e.nbytes) for e in header.layers)
+    wanted_bytes = sum(nbytes for _, _, nbytes in expected.table)
+    if stored == expected.table and header.payload_nbytes == wanted_bytes:
+        return  # the usual case, in one comparison; the checks below say what differs
     # The part checks run before the full table comparison: "the drafter half is absent"
     # is a different operational problem from "the layer list changed".
     for part, is_draft in (("draft", True), ("target", False)):
@@ -86,7 +96,6 @@ def check_expected(header: UnitHeader, expected: ExpectedUnit) -> None:
         raise UnitRejected(
             "layer_table_mismatch", _table_diff(header.layer_specs(), expected.layers)
         )
-    wanted_bytes = sum(s.nbytes for s in expected.layers)
     if header.payload_nbytes != wanted_bytes:  # gaps between the layers
         raise UnitRejected(
             "layer_table_mismatch", f"payload {header.payload_nbytes} bytes, wanted {wanted_bytes}"

@@ -37,6 +37,7 @@ class L3Link:
 
     def apply_verdicts(self, meta: DraftOffloadMetadata) -> None:
         """This step's write announcements, cancels, and commit/abort verdicts."""
+        self.l3.hold_writes(meta.l3_reads_waiting)
         # Announce this step's writes before its cancels, which may name them.
         for job in meta.stores:
             if job.l3_units:

@@ -44,6 +44,11 @@ COMMANDS: tuple[Command, ...] = (
         "CPU microseconds of the connector's hooks per decode step (CPU, real Scheduler)",
     ),
     Command("l3-speed", "speed.l3_fetch", "storage-tier fetch GB/s by threads, next to raw disk"),
+    Command(
+        "l3-stages",
+        "speed.l3_stages",
+        "warm fs:// fetch vs plain read of the same files: read/checksum split, GIL and writes",
+    ),
     Command("shared-storage", "accept.shared_storage", "two engines, one fs:// dir: B hits A"),
     Command("pressure", "stress.pressure", "working set > GPU cache: outputs, hits, acceptance"),
     Command("soak", "stress.soak", "long mixed load while storage fails: crashes, memory, TTFT"),
@@ -57,7 +62,7 @@ EXAMPLES = f"""shared options, spelled the same in every command that has them:
   --out PATH        where results go: a directory (fixtures, bench, shared-storage,
                     pressure, soak, serve-bench) or a file (accept, table,
                     restore-speed, copy-speed, decode-overhead, hook-cost,
-                    l3-speed, dashboard-render)
+                    l3-speed, l3-stages, dashboard-render)
   --enforce-eager   engines without CUDA graphs: faster starts (the default of
                     pressure and soak, whose --compile turns it off)
 
