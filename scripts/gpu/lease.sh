@@ -9,7 +9,8 @@
 #             32k prompts), JOBS=6 in the background: /root/acc-*
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
 #   pressure  the pressure run with per-token margins: /root/pressure
-#   l3        restore-speed of the storage tier, default settings, cold and warm restart
+#   l3        restore-speed of the storage tier, default settings, cold and warm restart,
+#             then l3-stages (the fetch path's stages against a plain read)
 #   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and
 #             the memcpy copy path (about 11 min): /root/decode_*.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
@@ -62,7 +63,10 @@ pressure)
   bg pressure "vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure; echo pressure-done" ;;
 l3)
   bg l3 "vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
-    --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json; echo l3-done" ;;
+    --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json
+    vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
+      --engine-loop-ms 0,0.5 --writes 0,32 --piece-kib 1024,4096 --out /root/l3_stages.json
+    echo l3-done" ;;
 decode)
   bg decode "vllm-draft-offload decode-overhead --shape small --reps 5 --out /root/decode_small.json
     vllm-draft-offload decode-overhead --shape small --configs idle,store --turn-prompts 0 --reps 2 \
@@ -93,6 +97,7 @@ collect)
   [ -d /root/serve ] && tar -czf "$OUT/serve.tgz" -C /root serve
   [ -d /root/pressure ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$OUT"/
   [ -f /root/restore_speed_l3.json ] && cp /root/restore_speed_l3.json "$OUT"/
+  [ -f /root/l3_stages.json ] && cp /root/l3_stages.json "$OUT"/
   cp /root/decode_*.json "$OUT"/ 2>/dev/null
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$OUT"/
   ls -la "$OUT" ;;
