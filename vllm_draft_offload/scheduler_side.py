@@ -156,9 +156,6 @@ class DraftOffloadScheduler:
             self.l3.on_found = self.l3_writes.mark_in_storage
             self.l3.on_unusable = self.l3_writes.mark_not_in_storage
         self.pins = WindowPins(layout)
-        # Sliding-window pages and Mamba states are held from the step they are
-        # computed or named (window_pins): such requests are looked at every step.
-        self._tracks_windows = self.pins.active
         self.audit = RecomputeAudit(
             config.audit_recompute_fraction,
             self.index,
@@ -411,8 +408,11 @@ class DraftOffloadScheduler:
         page to hold, no audit to plan. Most decode steps complete no chunk, and
         building their block tables and plans every step cost about 10 us a request
         on the engine's critical path (`vllm-draft-offload hook-cost`)."""
-        if self._tracks_windows or self.audit.pending(state.request.request_id):
-            return False  # they look at the block table every step
+        if self.pins.active or self.audit.pending(state.request.request_id):
+            # Sliding-window pages and Mamba states are held from the step they are
+            # computed or named (window_pins), and audits read the block table: such
+            # requests are looked at every step.
+            return False
         first, limit = store_range(
             state.request,
             state.next_store_chunk,

@@ -88,24 +88,23 @@ def plan_stores(
             and existing.ready
             and not existing.pins
         )
-        others = [e for e in index.ready_variants(keys[chunk]) if e.unit_id != unit_id]
-        # Unit pages whose blocks vLLM has freed (and nobody holds): none can be copied.
-        probe: list[list[int]] = [[] for _ in layout.groups]
-        copyable = layout.add_unit_pages(
-            probe, [[] for _ in layout.groups], 0, chunk, block_ids, state_blocks=chunk_states
-        )
-        if existing is not None and not (replace and copyable and not others):
+        if existing is not None and not (
+            replace
+            and not _other_variants(index, unit_id)
+            and _copyable(layout, chunk, block_ids, chunk_states)
+        ):
             index.touch(unit_id)
             plan.next_chunk = chunk + 1
             continue
-        if others and chunk_end + chunk_size > len(tokens):
-            # Another successor variant exists and this request has no further
-            # chunk to reuse behind it (yet): a copy would buy one token. Wait:
-            # once the request grows a further chunk, this one is worth storing.
-            break
-        if not copyable:
-            plan.window_lost = True
-            break
+        if existing is None:
+            if chunk_end + chunk_size > len(tokens) and _other_variants(index, unit_id):
+                # Another successor variant exists and this request has no further
+                # chunk to reuse behind it (yet): a copy would buy one token. Wait:
+                # once the request grows a further chunk, this one is worth storing.
+                break
+            if not _copyable(layout, chunk, block_ids, chunk_states):
+                plan.window_lost = True
+                break
         if existing is not None:
             index.remove(unit_id)
         entry = index.reserve(unit_id, has_state)
@@ -128,6 +127,25 @@ def plan_stores(
             state_blocks=chunk_states,
         )
     return plan
+
+
+def _other_variants(index: CpuTierIndex, unit_id: UnitId) -> bool:
+    """Whether the tier holds a ready unit of the same chunk with other successors."""
+    return any(e.unit_id != unit_id for e in index.ready_variants(unit_id[0]))
+
+
+def _copyable(
+    layout: UnitLayout,
+    chunk: int,
+    block_ids: tuple[list[int], ...],
+    chunk_states: dict[int, int] | None,
+) -> bool:
+    """Whether every page the chunk's unit holds can be copied: none of their blocks
+    has been freed by vLLM (and nobody holds it)."""
+    probe: list[list[int]] = [[] for _ in layout.groups]
+    return layout.add_unit_pages(
+        probe, [[] for _ in layout.groups], 0, chunk, block_ids, state_blocks=chunk_states
+    )
 
 
 def store_range(

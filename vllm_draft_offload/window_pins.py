@@ -56,11 +56,9 @@ class WindowPins:
         self.pool: BlockPool | None = None
         self._pins: dict[str, dict[int, ChunkPins]] = {}
         self._given_up: set[str] = set()
-
-    @property
-    def active(self) -> bool:
-        """Whether some group has a sliding window or state (vLLM frees its blocks early)."""
-        return any(group.reach is not None or group.state for group in self.layout.groups)
+        # Whether some group has a sliding window or state (vLLM frees its blocks
+        # early); the layout never changes, and this is read per request every step.
+        self.active = any(group.reach is not None or group.state for group in layout.groups)
 
     def take_state_offers(
         self, block_state: KVConnectorBlockState | None, next_chunk: Callable[[str], int | None]
