@@ -201,10 +201,14 @@ class L3Channel:
             # on in err.__traceback__, so it must let go of the future.
             del fut
             raise err from e
+        self._succeeded()
+        return result
+
+    def _succeeded(self) -> None:
+        """A call answered: the backend is up (ends a probe after an outage)."""
         with self._state:
             self._healthy = True
             self._retry_at = 0.0
-        return result
 
     def _error_for(
         self,

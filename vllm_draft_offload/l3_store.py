@@ -243,9 +243,7 @@ class L3Store(L3Channel):
             raise self._fail("corrupt", str(e), "get", key, conn) from e
         except OSError as e:
             raise self._fail("io", f"{type(e).__name__}: {e}", "get", key, conn) from e
-        with self._state:
-            self._healthy = True
-            self._retry_at = 0.0
+        self._succeeded()
         return result
 
     def contains(self, key: str) -> bool:
@@ -294,9 +292,7 @@ class L3Store(L3Channel):
                 raise self._fail("timeout", msg, op, what, conn)
             # As FSConnector.exists: an error (a missing directory) means absent.
             found.append(os.path.exists(fs._get_file_path(lkey)))
-        with self._state:
-            self._healthy = True
-            self._retry_at = 0.0
+        self._succeeded()
         return found
 
     def remove(self, key: str) -> bool:
