@@ -16,12 +16,11 @@ ones); the engine run is the GPU runbook's ``hybrid`` phase (scripts/gpu/README.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from vllm_model_checks import kv_cache_config_with_drafts, nan_load
 
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench.fixtures.build import META_FILE
@@ -127,14 +126,6 @@ def test_vllm_resolves_method_mtp_in_align_mode(fixture_dir: Path) -> None:
     assert off.cache_config.mamba_cache_mode == "none"  # refused by the connector
 
 
-def _nan_load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> list[str]:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.load_weights(weights.items())
-    return sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
-
-
 def test_vllm_loads_every_parameter_and_builds_mamba_and_draft_groups(
     fixture_dir: Path, vllm_dist: None
 ) -> None:
@@ -143,7 +134,6 @@ def test_vllm_loads_every_parameter_and_builds_mamba_and_draft_groups(
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     from vllm_draft_offload.geometry import build_unit_layout
@@ -154,10 +144,10 @@ def test_vllm_loads_every_parameter_and_builds_mamba_and_draft_groups(
     with set_current_vllm_config(cfg):
         target = initialize_model(cfg)
         target_layers = set(get_layers_from_vllm_config(cfg, AttentionLayerBase))
-        assert _nan_load(target, weights) == []
+        assert nan_load(target, weights) == []
         # as vLLM's MTP proposer loads the drafter: the target's config, the draft's model
         draft = initialize_model(cfg, model_config=cfg.speculative_config.draft_model_config)
-        assert _nan_load(draft, weights) == []
+        assert nan_load(draft, weights) == []
         # as the executor does after loading: the recorded block size holds a state,
         # so vLLM keeps it and makes it the Mamba block size
         current_platform.update_block_size_for_backend(cfg)
@@ -165,15 +155,7 @@ def test_vllm_loads_every_parameter_and_builds_mamba_and_draft_groups(
         layers = get_layers_from_vllm_config(cfg, AttentionLayerBase)
         draft_names = set(layers) - target_layers
         assert draft_names == {"mtp.layers.0.self_attn.attn"}
-        specs = {}
-        for layer_name, layer in layers.items():
-            spec = layer.get_kv_cache_spec(cfg)
-            if layer_name in draft_names:
-                layer.is_draft_layer = True
-                spec = replace(spec, is_draft=True)
-            specs[layer_name] = spec
-        groups = get_global_kv_cache_groups(cfg, [specs])
-        kv_cache_config = get_kv_cache_configs(cfg, [specs], [1 << 26], groups)[0]
+        kv_cache_config, _ = kv_cache_config_with_drafts(cfg, layers, draft_names)
     kinds = [type(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
     mamba = [g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
     full = [

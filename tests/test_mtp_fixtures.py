@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_model_checks import kv_cache_config_with_drafts, nan_load
 
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench.fixtures.build import META_FILE, build_fixtures, resolve_preset
@@ -191,14 +192,6 @@ def test_vllm_resolves_method_mtp(mtp_dir: Path, name: str) -> None:
     assert cfg.model_config.use_mla == (name == "dsv3-mla-mtp")
 
 
-def _nan_load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> list[str]:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.load_weights(weights.items())
-    return sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
-
-
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_vllm_loads_target_and_mtp_and_finds_the_draft_layers(
     mtp_dir: Path, vllm_dist: None, name: str
@@ -207,7 +200,6 @@ def test_vllm_loads_target_and_mtp_and_finds_the_draft_layers(
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     from vllm_draft_offload.geometry import build_unit_layout, successor_tokens_needed
@@ -220,24 +212,16 @@ def test_vllm_loads_target_and_mtp_and_finds_the_draft_layers(
     with set_current_vllm_config(cfg):
         target = initialize_model(cfg)
         target_layers = set(get_layers_from_vllm_config(cfg, AttentionLayerBase))
-        assert _nan_load(target, weights) == []
+        assert nan_load(target, weights) == []
         # as vLLM's MTP proposer loads the drafter: the target's config, the draft's model
         draft = initialize_model(cfg, model_config=cfg.speculative_config.draft_model_config)
-        assert _nan_load(draft, weights) == []
+        assert nan_load(draft, weights) == []
         layers = get_layers_from_vllm_config(cfg, AttentionLayerBase)
         # the proposer marks every attention layer the drafter added (and the model
         # runner the layer's spec) as draft
         draft_names = set(layers) - target_layers
         assert draft_names == {f"model.layers.{n + m}.self_attn.attn" for m in range(modules)}
-        specs = {}
-        for layer_name, layer in layers.items():
-            spec = layer.get_kv_cache_spec(cfg)
-            if layer_name in draft_names:
-                layer.is_draft_layer = True
-                spec = replace(spec, is_draft=True)
-            specs[layer_name] = spec
-        groups = get_global_kv_cache_groups(cfg, [specs])
-        kv_cache_config = get_kv_cache_configs(cfg, [specs], [1 << 26], groups)[0]
+        kv_cache_config, specs = kv_cache_config_with_drafts(cfg, layers, draft_names)
     assert [g.is_eagle_group for g in kv_cache_config.kv_cache_groups] == [True]
     context = cfg.compilation_config.static_forward_context
     seen = frozenset(x for x, layer in context.items() if getattr(layer, "is_draft_layer", False))
