@@ -17,12 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis_fixture import RedisServer, redis_server_binary
-from test_unit_codec import DEFECTS, _layers, _pack
+from test_unit_codec import DEFECTS, _expected, _layers, _pack
 
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import HEAD_BYTES
 from vllm_draft_offload.l3_store import L3Store
-from vllm_draft_offload.unit_codec import LayerSpec, UnitRejected, read_header
+from vllm_draft_offload.unit_codec import UnitRejected, read_header
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck
 
@@ -71,13 +71,7 @@ def _big_unit(rng: random.Random) -> tuple[bytes, bytes, ExpectedUnit]:
     layers += [(f"d{i}", True, rng.randbytes(96 << 10)) for i in range(2)]
     header, blob = _pack(layers, key=KEY)
     assert header.payload_nbytes > 3 * PIECE
-    expected = ExpectedUnit(
-        key=KEY,
-        geometry_fingerprint=header.geometry_fingerprint,
-        drafter_id=header.drafter_id,
-        layers=tuple(LayerSpec(n, d, len(b)) for n, d, b in layers),
-        num_tokens=header.num_tokens,
-    )
+    expected = _expected(layers)
     return blob, b"".join(b for _, _, b in layers), expected
 
 
@@ -172,13 +166,7 @@ def test_header_longer_than_the_head_read_is_read_whole(store: L3Store) -> None:
     layers = [(f"layer.{i}.{name_tail}", i % 9 == 8, rng.randbytes(64)) for i in range(400)]
     header, blob = _pack(layers, key=KEY)
     assert len(blob) - header.payload_nbytes > HEAD_BYTES
-    expected = ExpectedUnit(
-        key=KEY,
-        geometry_fingerprint=header.geometry_fingerprint,
-        drafter_id=header.drafter_id,
-        layers=tuple(LayerSpec(n, d, len(b)) for n, d, b in layers),
-        num_tokens=header.num_tokens,
-    )
+    expected = _expected(layers)
     name = _name(rng)
     store.put(name, blob)
     dest = bytearray(header.payload_nbytes)
