@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from vllm import SamplingParams
@@ -756,3 +756,18 @@ class SimEngine:
             name: tensor[0].contiguous().view(torch.uint8).numpy().tobytes()
             for name, tensor in self.rank_kv_caches[rank].items()
         }
+
+
+Manager = TypeVar("Manager")
+
+
+def groups_managed_by(eng: SimEngine, manager: type[Manager]) -> list[tuple[int, int, Manager]]:
+    """(layout group index, vLLM group id, vLLM's manager) of each group of the
+    connector's layout whose vLLM manager is a `manager` (sliding-window, Mamba...)."""
+    layout = eng.scheduler.connector.scheduler.layout
+    managers = eng.scheduler.kv_cache_manager.coordinator.single_type_managers
+    return [
+        (g, group.group_id, managers[group.group_id])
+        for g, group in enumerate(layout.groups)
+        if isinstance(managers[group.group_id], manager)
+    ]

@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from kv_sim import SimEngine, SimSetup, prompt
+from kv_sim import SimEngine, SimSetup, groups_managed_by, prompt
 from mamba_sim import MAMBA_LAYERS, expected_state
 from vllm import SamplingParams
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
@@ -49,17 +49,6 @@ def vllm_own_hit(eng: SimEngine, tokens: list[int]) -> int:
     return hit
 
 
-def mamba_managers(eng: SimEngine) -> list[tuple[int, int, MambaManager]]:
-    """(layout group index, vLLM group id, vLLM's manager) of each Mamba group."""
-    layout = eng.scheduler.connector.scheduler.layout
-    managers = eng.scheduler.kv_cache_manager.coordinator.single_type_managers
-    return [
-        (g, group.group_id, managers[group.group_id])
-        for g, group in enumerate(layout.groups)
-        if group.state
-    ]
-
-
 def all_released(eng: SimEngine) -> None:
     sched = eng.scheduler.connector.scheduler
     assert sched.pins.held() == 0
@@ -89,7 +78,7 @@ def serve_restored(eng: SimEngine, req_id: str, tokens: list[int], max_tokens: i
             break
         (job,) = jobs
         table = eng.scheduler.kv_cache_manager.get_block_ids(req_id)
-        for g, group_id, manager in mamba_managers(eng):
+        for g, group_id, manager in groups_managed_by(eng, MambaManager):
             # vLLM's own bookkeeping: the new request's hit state is its block
             # `last_state_block_idx`, which the model runner copies the state from.
             index = manager.last_state_block_idx[req_id]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_sim import SimEngine, SimSetup, prompt
+from kv_sim import SimEngine, SimSetup, groups_managed_by, prompt
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 
 from vllm_draft_offload.geometry import build_unit_layout
@@ -35,17 +35,6 @@ DRAFTERS = {
 def engine(model_dirs: tuple[Path, Path], **kwargs: object) -> SimEngine:
     kwargs = {"sliding_window": WINDOW, "chunk_size": CHUNK, **kwargs}
     return SimEngine(*model_dirs, SimSetup(**kwargs))
-
-
-def window_groups(eng: SimEngine) -> list[tuple[int, int, SlidingWindowManager]]:
-    """(layout group index, vLLM group id, vLLM's manager) of each sliding-window group."""
-    layout = eng.scheduler.connector.scheduler.layout
-    managers = eng.scheduler.kv_cache_manager.coordinator.single_type_managers
-    return [
-        (g, group.group_id, managers[group.group_id])
-        for g, group in enumerate(layout.groups)
-        if isinstance(managers[group.group_id], SlidingWindowManager)
-    ]
 
 
 def all_released(eng: SimEngine) -> None:
@@ -177,7 +166,7 @@ def test_units_hold_exactly_what_vllm_keeps_for_a_restore(model_dirs: tuple[Path
         out = eng.scheduler.schedule()
         stores += [job for job in out.kv_connector_metadata.stores if job.num_pages]
         eng.execute(out)
-    groups = window_groups(eng)
+    groups = groups_managed_by(eng, SlidingWindowManager)
     assert len(groups) == 1  # the target's and the self-draft's window layers share it
     g, _, manager = groups[0]
     block_size = manager.block_size
@@ -326,7 +315,7 @@ def test_held_blocks_are_bounded_and_released(model_dirs: tuple[Path, Path]) -> 
     pool = eng.scheduler.kv_cache_manager.block_pool
     pins = WindowPins(sched.layout)
     pins.bind(pool)
-    ((g, group_id, _),) = window_groups(eng)
+    ((g, group_id, _),) = groups_managed_by(eng, SlidingWindowManager)
     group = sched.layout.groups[g]
     blocks = pool.get_new_blocks(8 * group.blocks_per_chunk)
     table = [[] for _ in eng.kv_cache_config.kv_cache_groups]
