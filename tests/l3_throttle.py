@@ -5,7 +5,9 @@ store's event loop, so concurrent calls overlap the way a remote backend's do.
 fs:// fetches read the object's file on the calling thread (`L3Store.read_file`),
 and fs:// lookups stat the files there (`L3Store._files_exist`), without the
 connector: each sleeps `get` (a read) or `exists` (a lookup's round) there first, on
-its own thread.
+its own thread. `disk` (seconds per fs:// read) makes the reads share one device
+instead: they run one at a time, so k reads sent at once land after 1, 2, ..., k
+times that, as on a disk whose bandwidth one read already fills.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class SlowConnector:
         self.gets_in_flight = self.max_gets_in_flight = 0
         self.exists_in_flight = self.max_exists_in_flight = 0
         self._lock = threading.Lock()  # read_file sleeps on the callers' threads
+        self._disk = threading.Lock()  # the one device of `disk` reads
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -71,6 +74,9 @@ class SlowConnector:
             self.max_gets_in_flight = max(self.max_gets_in_flight, self.gets_in_flight)
         try:
             time.sleep(self._delays.get("get", 0.0))
+            if "disk" in self._delays:
+                with self._disk:
+                    time.sleep(self._delays["disk"])
         finally:
             with self._lock:
                 self.gets_in_flight -= 1
@@ -78,7 +84,8 @@ class SlowConnector:
 
 
 def throttle(store: L3Store | None, **delays: float) -> SlowConnector:
-    """Delay `store`'s connector calls, e.g. throttle(store, exists=0.05, get=0.1)."""
+    """Delay `store`'s connector calls, e.g. throttle(store, exists=0.05, get=0.1), or
+    make its fs:// reads share one device: throttle(store, disk=0.1)."""
     assert store is not None and store.check_health(), "throttle needs a connected store"
     assert store._conn is not None
     slow = SlowConnector(store._conn, delays)

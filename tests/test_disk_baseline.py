@@ -39,3 +39,14 @@ def test_write_pass_writes_whole_blocks_and_syncs(tmp_path: Path) -> None:
     result = disk.write_pass(tmp_path, 5 * block + 100, block=block)
     assert result["bytes"] == 5 * block
     assert Path(result["path"]).stat().st_size == 5 * block
+
+
+def test_cache_reads_every_byte_of_every_file(tmp_path: Path) -> None:
+    sizes = [disk.BLOCK + 4096, 100, 3 * disk.BLOCK]  # past a block, inside one, several
+    paths = []
+    for i, size in enumerate(sizes):
+        paths.append(tmp_path / f"{i}.data")
+        paths[-1].write_bytes(os.urandom(size))
+    disk.evict(paths)
+    report = disk.cache(paths, threads=2)
+    assert report["files"] == 3 and report["bytes"] == sum(sizes)

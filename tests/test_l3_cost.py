@@ -344,19 +344,53 @@ def _slow_storage(model_dirs: tuple[Path, Path], url: str, policy: str) -> None:
     eng.worker.shutdown()
 
 
-def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    """Storage unmeasured, engine speed measured: the first hit probes one unit, which
-    lands within its allowance, then loads the rest; the next hit uses the speed."""
+def test_storage_that_one_read_saturates_is_priced_by_a_round(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Seen on an H100 after a restart: one unit alone read in 12 ms, so 64 units on 8
+    threads were priced at 8 x 12 ms, but the disk read 8 at once at 175 ms each, as
+    fast as one alone. A probe of one unit cannot tell the two apart, and the
+    restarted engine waited on fetches slower than recompute. The probe is a round,
+    one unit per read thread: it prices the storage at its real pace, and a hit that
+    would load slower than recompute is not even looked up."""
     url = f"fs://{tmp_path / 'l3'}"
     prompts = _filled_storage(model_dirs, url)
-    eng = _restarted(model_dirs, url, "cost", io_threads=8)
+    eng = _restarted(model_dirs, url, "cost", io_threads=4)
+    disk_s = 0.15  # per read, one at a time: 8 units take 1.2 s, recompute ~0.8 s
+    throttle(eng.worker.worker.l3.store, disk=disk_s)
+    l3 = eng.scheduler.connector.scheduler.l3
+    first = _serve(eng, "first", prompts[0])
+    assert eng.external_hits["first"] == 0  # its probe round missed the allowance
+    assert first["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}, _decisions(eng)
+    assert l3.log.recent[-1].probe == "abandoned with 0/4 landed", _decisions(eng)
+    deadline = time.monotonic() + 10
+    while l3.fetch_units:  # the probe lands in the background
+        assert time.monotonic() < deadline, _decisions(eng)
+        eng.step()
+        time.sleep(0.005)
+    # Priced as the disk really reads: one unit after another.
+    assert l3.cost.storage.load_s(PROMPT_CHUNKS) >= 0.8 * PROMPT_CHUNKS * disk_s
+    second = _serve(eng, "second", prompts[1])
+    assert eng.external_hits["second"] == 0
+    assert second["l3_declined"] == {"not_looked_up": PROMPT_CHUNKS}, _decisions(eng)
+    assert l3.log.recent[-1].outcome == "declined:not_looked_up", _decisions(eng)
+    eng.worker.shutdown()
+
+
+def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Storage unmeasured, engine speed measured: the first hit probes one round (a unit
+    per read thread), which lands within its allowance, then loads the rest; the next
+    hit uses the speed."""
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "cost", io_threads=4)
     for req_id, tokens in (("probe", prompts[0]), ("hit", prompts[1])):
         published = _serve(eng, req_id, tokens)
         assert eng.external_hits[req_id] == PROMPT_CHUNKS * CHUNK, _decisions(eng)
         assert published["chunks"]["load/l3"] == PROMPT_CHUNKS
         assert not published.get("l3_declined")
     probe = next(d for d in eng.scheduler.connector.scheduler.l3.log.recent if d.req_id == "probe")
-    assert probe.probe.startswith("1/1 landed"), probe.line()
+    assert probe.probe.startswith("4/4 landed"), probe.line()
     # The wait, split: the lookup's round trip, then the fetch (after the probe).
     hit = eng.scheduler.connector.scheduler.l3.log.recent[-1]
     assert hit.req_id == "hit" and hit.outcome == "fetched", hit.line()
@@ -504,6 +538,7 @@ def test_first_hit_on_slow_storage_waits_only_a_bounded_time(
     eng.run_until_done()  # the probe lands and times the storage for later requests
     published = eng.take_published()
     assert published["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}
-    assert eng.scheduler.connector.scheduler.l3.cost.storage.samples == 1
+    # The probe round: one unit per read thread (2).
+    assert eng.scheduler.connector.scheduler.l3.cost.storage.samples == 2
     eng.worker.worker.l3.flush(10)
     eng.worker.shutdown()

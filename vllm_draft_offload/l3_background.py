@@ -4,8 +4,9 @@ A request that stops waiting on storage (declined because the engine's speed is 
 known yet, or out of its wait allowance before its lookup answered) leaves its lookup
 here. When the lookup answers, the units found are reported as in storage (so they
 are not written again), and while the storage has no recent timing the first of them
-is fetched as a probe that no request waits for: it times the storage for later
-requests and lands in the CPU tier. One such probe runs at a time.
+(one per read thread: a round, l3_prefetch.FetchRound) are fetched as a probe that no
+request waits for: it times the storage for later requests and lands in the CPU tier.
+One such probe runs at a time.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ class BackgroundProbe:
     def __init__(
         self,
         storage: StorageEstimate,
-        reserve_fetch: Callable[[bytes], int | None],
+        fetch_round: Callable[[Sequence[bytes]], list[int]],
         found: Callable[[Sequence[bytes]], None],
     ) -> None:
         self.storage = storage
-        # Reserves a fetch of a chunk key for no request; its job id, or None.
-        self._reserve_fetch = reserve_fetch
+        # Reserves fetches of chunk keys (in order, while slots last) for no request,
+        # as one round; their job ids.
+        self._fetch_round = fetch_round
         self._found = found  # told the chunk keys a lookup found in storage
         self._late: list[tuple[Future[list[bool]], list[bytes]]] = []
         self._jobs: set[int] = set()
@@ -45,15 +47,14 @@ class BackgroundProbe:
         if len(self._late) < MAX_LATE_LOOKUPS:
             self._late.append((lookup(chunk_keys), chunk_keys))
 
-    def probe(self, chunk_key: bytes) -> bool:
-        """Fetch one unit no request waits for, unless one is already in flight."""
+    def probe(self, chunk_keys: Sequence[bytes]) -> int:
+        """Fetch the first units of `chunk_keys`, one per read thread, for no request,
+        unless a probe is in flight already; how many were sent."""
         if self._jobs:
-            return False
-        job_id = self._reserve_fetch(chunk_key)
-        if job_id is None:
-            return False
-        self._jobs.add(job_id)
-        return True
+            return 0
+        jobs = self._fetch_round(chunk_keys[: self.storage.parallel])
+        self._jobs.update(jobs)
+        return len(jobs)
 
     def fetch_finished(self, job_id: int) -> None:
         self._jobs.discard(job_id)
@@ -75,5 +76,5 @@ class BackgroundProbe:
             if hits:
                 self._found(chunk_keys[:hits])
             if hits and self.storage.stale():
-                self.probe(chunk_keys[0])
+                self.probe(chunk_keys[:hits])
         self._late = pending

@@ -76,9 +76,20 @@ class L3RequestState:
     landed: int = 0
     progress: float = field(default_factory=time.monotonic)
     # When the (non-probe) fetch began, and how many leading chunks had landed then:
-    # the pace it makes prices the rest of it, and later fetches.
+    # the pace it makes prices the rest of it.
     fetch_started: float | None = None
     fetch_base: int = 0
+
+
+@dataclass
+class FetchRound:
+    """Fetches sent together. Once all of them landed, the round's time over its size
+    is the pace the storage sustains with that many reads in flight (a disk bounded
+    by bandwidth reads k units at once in k times one unit's time, not in one)."""
+
+    sent: float
+    size: int
+    pending: set[int]
 
 
 class L3Prefetch:
@@ -119,10 +130,12 @@ class L3Prefetch:
         self._pending_fetches: list[FetchJob] = []
         # fetch job id -> (request id or None for a probe, placeholder unit)
         self.fetch_units: dict[int, tuple[str | None, UnitId]] = {}
+        # fetch job id -> the round it was sent in (rounds of io_threads units or more)
+        self._rounds: dict[int, FetchRound] = {}
         # Lookups no request waits for any more, kept to measure the storage.
         self.background = BackgroundProbe(
             self.cost.storage,
-            lambda chunk_key: self._reserve_fetch(None, chunk_key),
+            lambda chunk_keys: self._fetch_round(None, chunk_keys),
             self._found,
         )
 
@@ -327,18 +340,23 @@ class L3Prefetch:
             return
         state.progress = time.monotonic()
         if storage.samples == 0:
-            # Storage speed unknown: fetch one unit as the probe (one lands soonest);
-            # the wait allowance bounds what it may cost.
-            if self._fetch_chunks(req_id, state, keys, first, 1, "probe"):
-                state.decision.probe = "1 unit sent"
+            # Storage speed unknown: the probe is one round, a unit per read thread.
+            # One unit alone reads at the device's latency; a round also shows whether
+            # the reads share a bandwidth (a disk: 8 at once take 8 times as long).
+            # The wait allowance bounds what it may cost.
+            size = min(storage.parallel, hits)
+            if self._fetch_chunks(req_id, state, keys, first, size, "probe"):
+                state.decision.probe = f"{state.decision.wanted} sent"
             return
         wanted = self.cost.chunks_worth_loading(first, hits, round_trip=False)
         self._note_estimate(state, wanted or hits)
         if wanted < hits:
             self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, hits - wanted)
         if not wanted:
-            if storage.stale() and self.background.probe(keys[first]):
-                state.decision.probe = "1 unit in the background"
+            if storage.stale():
+                sent = self.background.probe(keys[first : first + hits])
+                if sent:
+                    state.decision.probe = f"{sent} in the background"
             self._finish(state, "declined:" + SLOWER_THAN_RECOMPUTE, 0)
             return
         self._fetch_chunks(req_id, state, keys, first, wanted, "fetch")
@@ -391,11 +409,6 @@ class L3Prefetch:
             self.fetch_units[job_id] = (None, self.fetch_units[job_id][1])
         state.jobs.clear()
         state.landed = max(state.landed, landed)
-        pace = self._fetch_pace(state, time.monotonic())
-        # Only a fetch that kept every read thread busy says what storage sustains
-        # (a couple of units would price a long fetch at one unit's latency each).
-        if pace.get("fetched", 0) >= self.cost.storage.parallel:
-            self.cost.storage.observe_pace(pace["fetch_s"] / pace["fetched"])
         state.phase = "done"
         decision = state.decision
         self._waiting.discard(decision.req_id)
@@ -418,12 +431,10 @@ class L3Prefetch:
     ) -> bool:
         """Fetch chunks [first, first + count) for the request, as far as slots allow,
         and wait on them in `phase`; False (the request stops waiting): no free slot."""
-        for chunk in range(first, first + count):
-            job_id = self._reserve_fetch(req_id, keys[chunk])
-            if job_id is None:
-                break  # no free slot that is not this request's own: recompute the rest
-            state.jobs.add(job_id)
-            state.decision.wanted += 1
+        # Short of free slots, a prefix of them: recompute the rest.
+        jobs = self._fetch_round(req_id, keys[first : first + count])
+        state.jobs.update(jobs)
+        state.decision.wanted += len(jobs)
         if not state.jobs:
             landed = first - state.first_chunk
             self._finish(state, "partial" if landed else "no_free_slot", landed)
@@ -432,6 +443,36 @@ class L3Prefetch:
             state.fetch_started, state.fetch_base = time.monotonic(), state.landed
         state.phase = phase
         return True
+
+    def _fetch_round(self, req_id: str | None, chunk_keys: Sequence[bytes]) -> list[int]:
+        """Reserve fetches of `chunk_keys` in order until a slot is lacking; their job
+        ids. Sent together, they are one round: a round of at least io_threads units
+        times the pace of the storage when it lands (_round_landed)."""
+        jobs = []
+        for chunk_key in chunk_keys:
+            job_id = self._reserve_fetch(req_id, chunk_key)
+            if job_id is None:
+                break
+            jobs.append(job_id)
+        if len(jobs) >= self.cost.storage.parallel:
+            fetch_round = FetchRound(time.monotonic(), len(jobs), set(jobs))
+            self._rounds.update(dict.fromkeys(jobs, fetch_round))
+        return jobs
+
+    def _round_landed(self, job_id: int, landed: bool) -> None:
+        """A fetch ended; the last of a round whose every unit landed times the pace.
+        A round with a failed unit says nothing about speed."""
+        fetch_round = self._rounds.pop(job_id, None)
+        if fetch_round is None:
+            return
+        fetch_round.pending.discard(job_id)
+        if not landed:
+            for other in fetch_round.pending:
+                del self._rounds[other]
+            return
+        if not fetch_round.pending:
+            elapsed = time.monotonic() - fetch_round.sent
+            self.cost.storage.observe_pace(elapsed / fetch_round.size)
 
     def _found(self, chunk_keys: Sequence[bytes]) -> None:
         if self.on_found is not None:
@@ -463,6 +504,7 @@ class L3Prefetch:
         state = self._requests.get(req_id) if req_id is not None else None
         if state is not None:
             state.jobs.discard(job_id)
+        self._round_landed(job_id, successors is not None and cause is None)
         if successors is None or cause is not None:
             self.index.remove(placeholder)
             self.stats.record_refused(cause or "l3_corrupt")

@@ -4,7 +4,7 @@
 # setup.sh:   bash scripts/gpu/lease.sh PHASE
 #   fixtures  build /root/fx (Llama family), /root/fx-mtp (MTP) and /root/fx-swa
 #             (Gemma-3-shaped, 128-token windows) side by side, in the background
-#   poll [N]  the last N lines of every log, and the GPU's use
+#   fx        build /root/fx (Llama family) alone: what serve, pressure and soak need
 #   accept    the acceptance runs still missing (MTP, sliding windows, storage restart,
 #             32k prompts), JOBS=6 in the background: /root/acc-*
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
@@ -17,26 +17,27 @@
 #   hybrid    build /root/fx-hybrid (hybrid-mtp: Qwen3-Next-shaped, Mamba state in
 #             vLLM's align mode, random MTP layer), then its acceptance runs one engine
 #             at a time, prefix_cache_retention_interval 0 and None: /root/acc-hybrid
-#   collect   logs, fixture indexes, tables and tarballs of the results into $OUT
-# Long phases run in the background: poll, then `collect` in the call that sees them end.
+#   chain P.. the phases P.. one after another in ONE background job (log
+#             /root/logs/P.log each, then "P-done"): nothing to start between calls
+#   await P [S]  wait (at most S s, default 540) until phase P's log says "P-done",
+#             then collect; exits 3 at once on a machine that is not set up (it went
+#             back and a bare one answered: stage again)
+#   poll [N]  the last N lines of every log, and the GPU's use
+#   collect   logs, fixture indexes, tables and results as one tarball in $OUT (lease.tgz,
+#             or 15 MiB pieces lease.tgz.00, .01, ...: cat lease.tgz.* | tar -xzf -)
+# Long phases run in the background: `await` (or poll), then `collect`.
 set -uo pipefail
 export PYTHONPATH=/root/proj:/root/site PATH=/root/proj/bin:$PATH HF_HUB_OFFLINE=1 \
   PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 L=/root/logs
+SELF=$(realpath "$0")
 mkdir -p "$L"
 bg() { local log=$1; shift; (setsid nohup bash -c "$*" > "$L/$log.log" 2>&1 &); }
+set_up() { [ -x /root/proj/bin/vllm-draft-offload ]; }
 
-case "${1:-}" in
-fixtures)
-  bg fx "bash scripts/gpu/fixtures.sh /root/fx --only target"
-  bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp"
-  bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128"
-  sleep 5; tail -n 2 "$L"/fx*.log ;;
-poll)
-  for f in "$L"/*.log; do echo "== $f"; tail -n "${2:-3}" "$f"; done
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
-accept)
-  mtp=(); for f in glm-mtp glm-mtp2 dsv3-mla-mtp; do
+accept_cmd() {
+  local mtp=() swa llama long long_mtp f c
+  for f in glm-mtp glm-mtp2 dsv3-mla-mtp; do
     for c in corrupt none ours ours_l3 diverge native; do mtp+=("$f-$c:mtp:$f:$c"); done; done
   swa=(self-corrupt:draft_model:self-draft:corrupt self-none:draft_model:self-draft:none
        self-ours:draft_model:self-draft:ours self-ours_l3:draft_model:self-draft:ours_l3
@@ -48,59 +49,99 @@ accept)
         eagle3-ours:eagle3:eagle3:ours)
   long_mtp=(glm-mtp-none:mtp:glm-mtp:none glm-mtp-corrupt:mtp:glm-mtp:corrupt
             glm-mtp-ours:mtp:glm-mtp:ours)
-  bg accept "export JOBS=6
+  echo "export JOBS=6
     bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-mtp ${mtp[*]}
     bash scripts/gpu/accept_runs.sh /root/fx-swa /root/acc-swa ${swa[*]}
     bash scripts/gpu/accept_runs.sh /root/fx /root/acc-l3 ${llama[*]}
     export ACCEPT_ARGS='--prompt-tokens 32000' ACCEPT_TIMEOUT=600
     bash scripts/gpu/accept_runs.sh /root/fx /root/acc-32k ${long[*]}
-    bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-32k ${long_mtp[*]}
-    echo accept-done"
-  sleep 3; tail -n 3 "$L/accept.log" ;;
-serve)
-  bg serve "vllm-draft-offload serve-bench --fixtures /root/fx --out /root/serve; echo serve-done" ;;
-pressure)
-  bg pressure "vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure; echo pressure-done" ;;
-l3)
-  bg l3 "vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+    bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-32k ${long_mtp[*]}"
+}
+
+# The foreground command of each background phase.
+declare -A CMD=(
+  [fx]="bash scripts/gpu/fixtures.sh /root/fx --only target"
+  [serve]="vllm-draft-offload serve-bench --fixtures /root/fx --out /root/serve"
+  [pressure]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure"
+  [l3]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
     --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json
     vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
-      --engine-loop-ms 0,0.5 --writes 0,32 --piece-kib 1024,4096 --out /root/l3_stages.json
-    echo l3-done" ;;
-decode)
-  bg decode "vllm-draft-offload decode-overhead --shape small --reps 5 --out /root/decode_small.json
+      --engine-loop-ms 0,0.5 --writes 0,32 --piece-kib 1024,4096 --out /root/l3_stages.json"
+  [decode]="vllm-draft-offload decode-overhead --shape small --reps 5 --out /root/decode_small.json
     vllm-draft-offload decode-overhead --shape small --configs idle,store --turn-prompts 0 --reps 2 \
       --time-hooks --out /root/decode_hooks_small.json
     vllm-draft-offload decode-overhead --shape small --configs store --copy-path memcpy \
-      --turn-prompts 0 --out /root/decode_memcpy_small.json; echo decode-done" ;;
-soak)
-  bg soak "vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
-    --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90; echo soak-done" ;;
-hybrid)
-  bg hybrid "bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
-  sleep 5; tail -n 3 "$L/hybrid.log" ;;
+      --turn-prompts 0 --out /root/decode_memcpy_small.json"
+  [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
+    --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90"
+  [hybrid]="bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
+  [accept]="$(accept_cmd)"
+)
+
+phase=${1:-}
+case "$phase" in
+poll|collect|"") ;;
+*) set_up || { echo "lease.sh: not set up on this machine (a bare one?): stage, setup.sh" >&2; exit 3; } ;;
+esac
+
+case "$phase" in
+fixtures)
+  bg fx "${CMD[fx]}; echo fx-done"
+  bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
+  bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
+  sleep 5; tail -n 2 "$L"/fx*.log ;;
+fx|accept|serve|pressure|l3|decode|soak|hybrid)
+  bg "$phase" "${CMD[$phase]}; echo $phase-done"
+  sleep 3; tail -n 3 "$L/$phase.log" ;;
+chain)
+  shift
+  script=""
+  for p in "$@"; do
+    [ -n "${CMD[$p]:-}" ] || { echo "lease.sh chain: no phase $p" >&2; exit 2; }
+    script+="{ ${CMD[$p]}; } > $L/$p.log 2>&1; echo $p-done >> $L/$p.log
+"
+  done
+  bg chain "$script"
+  echo "chain started: $*" ;;
+await)
+  p=${2:?await PHASE [SECONDS]}; limit=${3:-540}; start=$(date +%s)
+  until grep -q "^$p-done" "$L/$p.log" 2>/dev/null; do
+    [ $(( $(date +%s) - start )) -ge "$limit" ] && { echo "await $p: not done after ${limit}s"; break; }
+    sleep 5
+  done
+  tail -n 5 "$L/$p.log" 2>/dev/null
+  [ -n "${OUT:-}" ] && bash "$SELF" collect > /dev/null ;;
+poll)
+  for f in "$L"/*.log; do echo "== $f"; tail -n "${2:-3}" "$f"; done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
 collect)
+  # One tarball of everything (a call brings back at most 8 files of 16 MiB each),
+  # split into 15 MiB pieces when larger: cat lease.tgz.* | tar -xzf -
   : "${OUT:?collect writes into \$OUT}"
-  cp "$L"/*.log "$OUT"/ 2>/dev/null
+  C=/root/collect; rm -rf "$C"; mkdir -p "$C"
+  cp "$L"/*.log "$C"/ 2>/dev/null
   for d in fx fx-mtp fx-swa fx-hybrid; do
-    [ -f "/root/$d/fixtures.json" ] && cp "/root/$d/fixtures.json" "$OUT/$d-index.json"
+    [ -f "/root/$d/fixtures.json" ] && cp "/root/$d/fixtures.json" "$C/$d-index.json"
     for m in /root/$d/*/fixture_meta.json; do
-      [ -f "$m" ] && cp "$m" "$OUT/$d-$(basename "$(dirname "$m")")-meta.json"
+      [ -f "$m" ] && cp "$m" "$C/$d-$(basename "$(dirname "$m")")-meta.json"
     done
   done
   for d in acc-mtp acc-swa acc-l3 acc-32k acc-hybrid/r0 acc-hybrid/rnone; do
     [ -d "/root/$d" ] || continue
-    n=${d//\//-}
-    vllm-draft-offload table "/root/$d" > "$OUT/$n-table.md" 2>&1
-    tar -czf "$OUT/$n.tgz" -C /root "$d"
+    vllm-draft-offload table "/root/$d" > "$C/${d//\//-}-table.md" 2>&1
+    mkdir -p "$C/$d" && cp -r "/root/$d"/. "$C/$d"/
   done
-  [ -d /root/serve ] && tar -czf "$OUT/serve.tgz" -C /root serve
-  [ -d /root/pressure ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$OUT"/
-  [ -f /root/restore_speed_l3.json ] && cp /root/restore_speed_l3.json "$OUT"/
-  [ -f /root/l3_stages.json ] && cp /root/l3_stages.json "$OUT"/
-  cp /root/decode_*.json "$OUT"/ 2>/dev/null
-  [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$OUT"/
+  [ -d /root/serve ] && cp -r /root/serve "$C"/
+  [ -f /root/pressure/pressure.json ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$C"/
+  cp /root/restore_speed_l3.json /root/l3_stages.json /root/decode_*.json "$C"/ 2>/dev/null
+  [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
+  tar -czf /root/lease.tgz -C /root collect
+  if [ "$(stat -c %s /root/lease.tgz)" -le $((15 << 20)) ]; then
+    cp /root/lease.tgz "$OUT"/
+  else
+    split -b 15M -d /root/lease.tgz "$OUT/lease.tgz."
+  fi
   ls -la "$OUT" ;;
 *)
-  sed -n '2,17p' "$0"; exit 2 ;;
+  sed -n '2,30p' "$SELF"; exit 2 ;;
 esac

@@ -192,5 +192,6 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             step_engine()
         results["l3_counters"] = _l3_counters()
         results["l3_write"] = write_throughput(unit_files(Path(args.l3_dir)))
-        results["units_expected"] = args.reps * (args.tokens // args.chunk_size)
+        # Whole chunks of the measured prompts and of the warm-up prompt (stored too).
+        results["units_expected"] = (args.reps + 1) * (args.tokens // args.chunk_size)
     return results

@@ -1,0 +1,36 @@
+"""The GPU runbook's lease script (scripts/gpu/lease.sh) on this machine: it parses,
+lists its phases, and refuses every phase on a machine that is not set up, at once
+(a machine that went back is replaced by a bare one; waiting there only burns the
+lease)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+LEASE = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "lease.sh"
+BASH = shutil.which("bash")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    assert BASH is not None
+    return subprocess.run([BASH, str(LEASE), *args], capture_output=True, text=True, timeout=30)
+
+
+def test_lease_script_parses_and_lists_its_phases() -> None:
+    assert subprocess.run([BASH, "-n", str(LEASE)]).returncode == 0
+    usage = _run()
+    assert usage.returncode == 2
+    for phase in ("fixtures", "fx", "accept", "l3", "soak", "chain", "await", "collect"):
+        assert f"#   {phase}" in usage.stdout, phase
+
+
+@pytest.mark.skipif(Path("/root/proj/bin/vllm-draft-offload").exists(), reason="set up here")
+@pytest.mark.parametrize("phase", [["l3"], ["chain", "fx", "soak"], ["await", "soak", "600"]])
+def test_every_phase_stops_at_once_on_a_machine_not_set_up(phase: list[str]) -> None:
+    result = _run(*phase)
+    assert result.returncode == 3
+    assert "not set up" in result.stderr
