@@ -442,6 +442,7 @@ class SimEngine:
         self.published = DraftOffloadStats()
         self.load_metas: list[Any] = []
         self.external_hits: dict[str, int] = {}
+        self.hit_sources: dict[str, dict[str, int]] = {}
         self.group_of = {
             name: gid
             for gid, group in enumerate(kv_cache_config.kv_cache_groups)
@@ -574,10 +575,16 @@ class SimEngine:
 
     def execute(self, sched_out: Any) -> Any:
         """Run one scheduled step as vLLM's model runner and its connector mixin do."""
+        connector = self.scheduler.connector
         for new in sched_out.scheduled_new_reqs:
-            self.external_hits[new.req_id] = self.scheduler.connector.scheduler.restored_tokens(
-                new.req_id
-            )
+            hit = connector.scheduler.restored_tokens(new.req_id)
+            self.external_hits[new.req_id] = hit
+            # What vLLM files the hit under (its prefix-cache stats by source).
+            request = self.scheduler.requests[new.req_id]
+            self.hit_sources[new.req_id] = {
+                source.value: tokens
+                for source, tokens in connector.get_external_cache_hit_sources(request, hit).items()
+            }
         meta = sched_out.kv_connector_metadata
         if meta.loads:
             self.load_metas.append(meta)

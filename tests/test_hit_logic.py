@@ -14,11 +14,13 @@ from __future__ import annotations
 import pytest
 
 from vllm_draft_offload.hit_logic import (
+    PrefixMatch,
     StoredUnitView,
     common_prefix_length,
     match_prefix,
     pages_for_chunk,
     storable_chunk_limit,
+    tokens_in_chunks,
 )
 
 C = 4
@@ -274,3 +276,14 @@ def test_pages_for_chunk(chunk: int, first: int, end: int, pages: range) -> None
 )
 def test_common_prefix_length(a: tuple, b: tuple, n: int) -> None:
     assert common_prefix_length(a, b) == n
+
+
+def test_tokens_in_chunks_counts_only_the_matched_range() -> None:
+    """A hit from token 6 to 17 over chunks 1..4 of C=4 tokens: chunk 1 holds 2 of
+    its tokens in range (6, 7), chunk 4 one (16); picking chunks 1 and 4 counts 3."""
+    view = StoredUnitView(("u", ()), ())
+    match = PrefixMatch(6, 17, [(chunk, view) for chunk in range(1, 5)])
+    assert tokens_in_chunks(match, C, lambda chunk: True) == 11
+    assert tokens_in_chunks(match, C, lambda chunk: chunk in (1, 4)) == 3
+    assert tokens_in_chunks(match, C, lambda chunk: chunk == 2) == C
+    assert tokens_in_chunks(PrefixMatch(8, 8, []), C, lambda chunk: True) == 0

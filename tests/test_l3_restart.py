@@ -91,8 +91,18 @@ def test_restarted_engine_hits_every_prompt_from_storage_with_defaults(
         eng.run_prefill(req)
         why = decision_lines(eng)
         assert eng.external_hits[req] >= 0.95 * len(tokens), why
+        # vLLM files the hit under the disk it came from, not the CPU tier.
+        assert eng.hit_sources[req] == {"disk": eng.external_hits[req]}, why
         assert eng.mismatched_positions(req) == []
         eng.run_until_done()
+    # Once in the CPU tier, the same prompt hits from host memory.
+    eng.evict_gpu_kv()
+    eng.add_request("again", prompts()[0], max_tokens=2)
+    eng.run_prefill("again")
+    assert eng.hit_sources["again"] == {"host": eng.external_hits["again"]}
+    assert eng.external_hits["again"] >= 0.95 * len(prompts()[0])
+    assert eng.mismatched_positions("again") == []
+    eng.run_until_done()
     published = eng.take_published()
     assert published["chunks"]["load/l3"] == PROMPTS * PROMPT_CHUNKS
     assert not published["l3_declined"]

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.geometry import (
@@ -83,6 +84,13 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         check_state_groups(kv_cache_config, self.config)
         self._scheduler: DraftOffloadScheduler | None = None
         self._worker: DraftOffloadWorker | None = None
+        # vLLM's label for hits storage supplied: a local directory is a disk.
+        remote_url = str(self.config.l3.lmcache.get("remote_url", ""))
+        self._storage_source = (
+            CacheHitSource.DISK
+            if remote_url.startswith(("fs://", "file://"))
+            else CacheHitSource.EXTERNAL_UNSPECIFIED
+        )
         # vLLM 0.33 maps per-block load errors back to requests only with one
         # KV-cache group (block ids are per group; it raises otherwise). With more
         # groups a failed load must be reported per request (failed_recving), which
@@ -253,6 +261,21 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # Finished requests' blocks come back once their stores land: wait for
         # that rather than preempting a running request.
         return self.scheduler.has_finishing_stores()
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """A hit's tokens by the tier that supplied them: the CPU tier (`host`), or
+        storage, fetched while the request waited (`disk` for an `fs://` directory,
+        `external_unspecified` for a remote store such as Redis)."""
+        if not num_external_tokens:
+            return {}
+        from_storage = min(self.scheduler.storage_tokens(request.request_id), num_external_tokens)
+        sources = {
+            CacheHitSource.HOST: num_external_tokens - from_storage,
+            self._storage_source: from_storage,
+        }
+        return {source: tokens for source, tokens in sources.items() if tokens}
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -56,6 +56,18 @@ class PrefixMatch:
         return max(0, self.end_token - self.start_token)
 
 
+def tokens_in_chunks(match: PrefixMatch, chunk_size: int, chosen: Callable[[int], bool]) -> int:
+    """Tokens of the match's range [start_token, end_token) that lie in the chunks
+    `chosen` picks (by chunk index)."""
+    total = 0
+    for chunk, _ in match.chunks:
+        low = max(match.start_token, chunk * chunk_size)
+        high = min(match.end_token, (chunk + 1) * chunk_size)
+        if high > low and chosen(chunk):
+            total += high - low
+    return total
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     for index, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:

@@ -127,6 +127,9 @@ class L3Prefetch:
         self._waiting: set[str] = set()
         # Units pinned for a request while it waits on its lookup or fetches.
         self._pins: dict[str, list[UnitId]] = {}
+        # Chunk keys of the units fetched from storage for a request while it waited:
+        # where its hit came from (vLLM's hits by source).
+        self._fetched_for: dict[str, set[bytes]] = {}
         self._pending_fetches: list[FetchJob] = []
         # fetch job id -> (request id or None for a probe, placeholder unit)
         self.fetch_units: dict[int, tuple[str | None, UnitId]] = {}
@@ -523,6 +526,7 @@ class L3Prefetch:
         if req_id is not None and state is not None and state.phase in ("probe", "fetch"):
             # Keep it until the request is admitted: later fetches must not evict it.
             self._pin(req_id, [final])
+            self._fetched_for.setdefault(req_id, set()).add(placeholder[0])
 
     def _pin(self, req_id: str, units: Iterable[UnitId]) -> None:
         pinned = self._pins.setdefault(req_id, [])
@@ -534,6 +538,10 @@ class L3Prefetch:
     def _unpin_all(self, req_id: str) -> None:
         for unit_id in self._pins.pop(req_id, ()):
             self.index.unpin(unit_id)
+
+    def fetched_chunk_keys(self, req_id: str) -> set[bytes]:
+        """Chunk keys of the units storage supplied for the request while it waited."""
+        return self._fetched_for.get(req_id, set())
 
     def pinned_units(self, req_id: str) -> list[UnitId]:
         return list(self._pins.get(req_id, ()))
@@ -552,6 +560,7 @@ class L3Prefetch:
         if state is not None and state.phase != "done":
             self._finish(state, "aborted", 0)  # finished while it waited
         self._unpin_all(req_id)
+        self._fetched_for.pop(req_id, None)
 
     def on_step_output(self) -> None:
         """A step's output came back: time it, and share the prefill fit when new."""

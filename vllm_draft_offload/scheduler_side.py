@@ -22,6 +22,7 @@ from vllm_draft_offload.hit_logic import (
     StoredUnitView,
     common_prefix_length,
     match_prefix,
+    tokens_in_chunks,
 )
 from vllm_draft_offload.l3_writes import L3WritePlanner, part_remover
 from vllm_draft_offload.load_planner import plan_load
@@ -64,6 +65,8 @@ class RequestState:
     pending_match: PrefixMatch | None = None
     inflight_jobs: set[int] = field(default_factory=set)
     restored_tokens: int = 0
+    # Of the last admitted hit, tokens in units storage supplied while it waited.
+    storage_tokens: int = 0
 
 
 @dataclass
@@ -261,6 +264,11 @@ class DraftOffloadScheduler:
         if match.num_tokens != num_external_tokens:
             # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
             match.end_token = match.start_token + num_external_tokens
+        if self.l3 is not None:
+            fetched = self.l3.fetched_chunk_keys(request.request_id)
+            state.storage_tokens = tokens_in_chunks(
+                match, self.chunk_size, lambda chunk: state.keys.keys[chunk] in fetched
+            )
         plan = plan_load(self.index, self.layout, match, blocks.get_block_ids(), self.async_loads)
         job = TransferJob(
             next(self._job_ids),
@@ -605,6 +613,12 @@ class DraftOffloadScheduler:
         if (reset_l3 := getattr(self.l3, "reset", None)) is not None:
             reset_l3()
         return dropped
+
+    def storage_tokens(self, req_id: str) -> int:
+        """Tokens of the request's admitted hit that storage supplied (the rest came
+        from the CPU tier)."""
+        state = self._requests.get(req_id)
+        return state.storage_tokens if state is not None else 0
 
     def restored_tokens(self, req_id: str) -> int:
         state = self._requests.get(req_id)
