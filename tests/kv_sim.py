@@ -435,7 +435,7 @@ class SimEngine:
         )
         if setup.tp > 1:
             # One CPU process cannot build a TP>1 ParallelConfig: tell the connector.
-            self.scheduler.connector.scheduler.world_size = setup.tp
+            self.scheduler.connector.scheduler.jobs.world_size = setup.tp
         init_none_hash(sha256)
         self.block_hasher = get_request_block_hasher(hash_block_size, sha256)
         self.outputs: dict[str, list[int]] = {}

@@ -143,7 +143,7 @@ def test_unit_needs_every_worker_part(model_dirs: tuple[Path, Path]) -> None:
     """With two workers, a unit one of them failed to store is never served."""
     eng = engine(model_dirs)
     sched = eng.scheduler.connector.scheduler
-    sched.world_size = 2
+    sched.jobs.world_size = 2
     tokens = prompt(3, 2 * CHUNK + 1)
     eng.add_request("a", tokens, max_tokens=1)
     sched_out = eng.scheduler.schedule()
@@ -415,7 +415,7 @@ def test_stalled_jobs_stop_holding_the_engine_loop(model_dirs: tuple[Path, Path]
     eng.add_request("a", prompt(20, 2 * CHUNK + 1), max_tokens=1)
     eng.scheduler.schedule()  # store jobs issued; no worker ever reports them
     assert connector.has_pending_push_work()
-    connector.scheduler._last_progress -= scheduler_side.STALL_S + 1
+    connector.scheduler.jobs.last_progress -= scheduler_side.STALL_S + 1
     assert not connector.has_pending_push_work()
 
 

@@ -60,7 +60,7 @@ def test_store_failed_after_it_ran_never_reaches_storage(
     keys = chunk_keys(eng, tokens)[:20]
     assert objects_in_storage(url, keys, ranks=1) == [(0, 0), (1, 0)]
     eng.evict_gpu_kv()
-    sched.world_size = planner.world_size = sched.l3.lookup.world_size = 2
+    sched.jobs.world_size = planner.world_size = sched.l3.lookup.world_size = 2
 
     eng.add_request("b", tokens, max_tokens=2)
     first = eng.step().kv_connector_metadata

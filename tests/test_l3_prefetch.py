@@ -170,7 +170,7 @@ def test_ranks_with_different_successors_mean_recompute_and_deletion(
     assert sched.l3 is not None
     store = sched.l3.lookup.store
     assert store is not None
-    sched.world_size = sched.l3.lookup.world_size = 2
+    sched.jobs.world_size = sched.l3.lookup.world_size = 2
     keys = ChunkKeyChain(sched.salt, CHUNK).extend(tokens)
     rank1_successors = {}
     for chunk, key in enumerate(keys[:3]):

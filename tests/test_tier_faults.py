@@ -160,7 +160,7 @@ def test_reset_drops_the_cpu_tier_and_in_flight_stores(model_dirs: tuple[Path, P
 
     # A store in flight at the reset: with two workers, the simulated one's report
     # is only half of what commits it.
-    sched.world_size = 2
+    sched.jobs.world_size = 2
     tokens = prompt(6, 2 * CHUNK + 3)
     eng.add_request("a", tokens, max_tokens=4)
     store_ids = [job.job_id for job in eng.step().kv_connector_metadata.stores]
@@ -176,7 +176,7 @@ def test_reset_drops_the_cpu_tier_and_in_flight_stores(model_dirs: tuple[Path, P
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
 
     # Storing goes on after the reset: "a" stores its chunks again from its own KV.
-    sched.world_size = 1
+    sched.jobs.world_size = 1
     eng.run_until_done()
     eng.evict_gpu_kv()
     eng.add_request("old2", old, max_tokens=1)
@@ -224,7 +224,7 @@ def test_load_failed_on_one_rank_publishes_no_store_of_that_request(
     eng.add_request("a", tokens[: 2 * CHUNK + 3], max_tokens=1)
     eng.run_until_done()
     eng.evict_gpu_kv()
-    sched.world_size = 2
+    sched.jobs.world_size = 2
     eng.add_request("b", tokens, max_tokens=4)
     meta = eng.step().kv_connector_metadata  # the simulated rank: load and stores ran
     (load,) = [job.job_id for job in meta.loads]

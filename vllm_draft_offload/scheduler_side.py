@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_draft_offload.audit import RecomputeAudit
 from vllm_draft_offload.chunk_keys import ChunkKeyChain, make_salt, request_salt
 from vllm_draft_offload.config import DraftOffloadConfig
-from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
+from vllm_draft_offload.cpu_index import CpuTierIndex
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.hit_logic import (
     PrefixMatch,
@@ -24,6 +24,7 @@ from vllm_draft_offload.hit_logic import (
     match_prefix,
     tokens_in_chunks,
 )
+from vllm_draft_offload.job_book import JobBook, JobRecord
 from vllm_draft_offload.l3_writes import L3WritePlanner, part_remover
 from vllm_draft_offload.load_planner import plan_load
 from vllm_draft_offload.metadata import (
@@ -42,7 +43,6 @@ from vllm_draft_offload.window_pins import WindowPins
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -69,25 +69,6 @@ class RequestState:
     storage_tokens: int = 0
 
 
-@dataclass
-class JobRecord:
-    req_id: str
-    direction: str  # load | store | fetch
-    units: list[UnitId]
-    reports: int = 0
-    failed: bool = False
-    cause: str | None = None
-    successors: list[int] | None = None
-    # Store only: the chunk its plan started at; a failed store is retried from here.
-    first_chunk: int = 0
-    after_loads: tuple[int, ...] = ()  # store only: TransferJob.after_loads
-    # Load only: the request waits for it in WAITING_FOR_REMOTE_KVS (async_loads).
-    asynchronous: bool = False
-    has_l3_writes: bool = False  # store only: workers hold L3 writes for its verdict
-    # Store only: sliding-window blocks held for it (window_pins), released when it ends.
-    held_blocks: list[KVCacheBlock] = field(default_factory=list)
-
-
 class DraftOffloadScheduler:
     def __init__(
         self,
@@ -104,7 +85,6 @@ class DraftOffloadScheduler:
         self.layout = layout
         self.chunk_size = layout.chunk_size
         self.num_successors = num_successors
-        self.world_size = world_size
         # Tokens per request in a decode step (1 + speculative tokens): a step whose
         # loading requests are no longer than this may be replayed as a full CUDA graph.
         self.decode_query_len = decode_query_len
@@ -116,7 +96,7 @@ class DraftOffloadScheduler:
         num_slots = config.cpu_bytes // layout.unit_bytes
         self.index = CpuTierIndex(num_slots)
         self._requests: dict[str, RequestState] = {}
-        self._jobs: dict[int, JobRecord] = {}
+        self.jobs = JobBook(world_size)
         self._job_ids = itertools.count(1)
         self._pending_loads: list[TransferJob] = []
         self._pending_finish_stores: list[TransferJob] = []
@@ -126,7 +106,6 @@ class DraftOffloadScheduler:
         self._l3_aborts: list[int] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self.stats = DraftOffloadStats()
-        self._last_progress = time.monotonic()
         self.l3: L3Prefetch | None = None
         if config.l3.enabled:
             # LMCache is imported only when its tier is configured.
@@ -278,7 +257,7 @@ class DraftOffloadScheduler:
             plan.gpu_blocks,
             error_blocks=plan.error_blocks,
         )
-        self._add_job(
+        self.jobs.add(
             job.job_id,
             JobRecord(request.request_id, "load", plan.units, asynchronous=self.async_loads),
         )
@@ -332,7 +311,7 @@ class DraftOffloadScheduler:
             # Pinned until every worker has its bytes in LMCache's staging buffer.
             l3_units=self.l3_writes.plan(plan.l3_units) if self.l3_writes is not None else [],
         )
-        self._add_job(
+        self.jobs.add(
             job.job_id,
             JobRecord(
                 state.request.request_id,
@@ -353,7 +332,7 @@ class DraftOffloadScheduler:
             fetches=self.l3.take_fetch_jobs() if self.l3 is not None else [],
         )
         for fetch in meta.fetches:
-            self._add_job(fetch.job_id, JobRecord("", "fetch", []))
+            self.jobs.add(fetch.job_id, JobRecord("", "fetch", []))
         # Asynchronous loads are not read by this step's forward.
         meta.wait_loads_before_forward = not self.async_loads and any(
             scheduler_output.num_scheduled_tokens.get(job.req_id, 0) <= self.decode_query_len
@@ -391,7 +370,9 @@ class DraftOffloadScheduler:
             job = self._store_job(state, computed_after, block_ids, finishing=False)
             if job is not None:
                 job.after_loads = loads_read_by(self.layout, block_ids, loading)
-                self._jobs[job.job_id].after_loads = tuple(job.after_loads)
+                record = self.jobs.get(job.job_id)
+                assert record is not None
+                record.after_loads = tuple(job.after_loads)
                 meta.stores.append(job)
             meta.compares += self.audit.plan(state.request, computed_after, block_ids)
         preempted = scheduler_output.preempted_req_ids or set()
@@ -399,7 +380,10 @@ class DraftOffloadScheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            if any(self._jobs[j].direction == "store" for j in state.inflight_jobs):
+            if any(
+                (record := self.jobs.get(job_id)) is not None and record.direction == "store"
+                for job_id in state.inflight_jobs
+            ):
                 meta.flush_stores = True
             # Its blocks are gone; a resumed request re-looks-up from scratch.
             state.next_store_chunk = 0
@@ -445,7 +429,7 @@ class DraftOffloadScheduler:
             return False, None
         self._record_acceptance(request, restored=state.restored_tokens > 0)
         if any(
-            (record := self._jobs.get(job_id)) is not None and record.asynchronous
+            (record := self.jobs.get(job_id)) is not None and record.asynchronous
             for job_id in state.inflight_jobs
         ):
             # Finished while waiting for its load (aborted): it computed nothing to
@@ -488,40 +472,13 @@ class DraftOffloadScheduler:
         self.audit.on_output(meta)
         if self.l3_writes is not None:
             self.l3_writes.on_output(meta)
-        for job_id, cause in meta.failure_causes.items():
-            record = self._jobs.get(job_id)
-            if record is not None:
-                record.failed, record.cause = True, record.cause or cause
-        for job_id, successors in meta.fetched_successors.items():
-            record = self._jobs.get(job_id)
-            if record is None:
-                continue
-            if record.successors is None:
-                record.successors = successors
-            elif record.successors != successors:
-                # Ranks reported in different steps and read different units.
-                record.failed, record.cause = True, "rank_mismatch"
         if self.l3 is not None:
             for seconds in meta.fetch_seconds.values():
                 self.l3.fetch_timing(seconds)
-        for counts, failed in ((meta.failed_jobs, True), (meta.completed_jobs, False)):
-            for job_id, count in counts.items():
-                record = self._jobs.get(job_id)
-                if record is not None:
-                    record.failed |= failed
-                    record.reports += count
-                    self._maybe_complete(job_id, record)
+        self.jobs.apply(meta, self._complete)
 
-    def _add_job(self, job_id: int, record: JobRecord) -> None:
-        if not self._jobs:
-            self._last_progress = time.monotonic()  # the stall clock starts now
-        self._jobs[job_id] = record
-
-    def _maybe_complete(self, job_id: int, record: JobRecord) -> None:
-        if record.reports < self.world_size:
-            return
-        self._last_progress = time.monotonic()
-        del self._jobs[job_id]
+    def _complete(self, job_id: int, record: JobRecord) -> None:
+        """Every rank reported on the job: publish, release or drop what it moved."""
         self.pins.release(record.held_blocks)
         if record.direction == "fetch":
             assert self.l3 is not None
@@ -553,21 +510,13 @@ class DraftOffloadScheduler:
         if record.direction == "load":
             if record.asynchronous:
                 state.restored_tokens = 0  # vLLM recomputes it from token 0
-            # Stores computed on the failed blocks (same step: workers refuse them too;
-            # this request's later ones under async scheduling) are never published.
-            for other_id, other in self._jobs.items():
-                if other.direction == "store" and (
-                    job_id in other.after_loads
-                    or (other_id > job_id and other.req_id == record.req_id)
-                ):
-                    other.failed = True
-                    other.cause = other.cause or "store_after_load_failure"
+            self.jobs.fail_stores_computed_on(job_id, record)
         elif record.direction == "store" and record.cause != "store_error":
             # Retry once recomputed (no hole); a bad copy plan would only fail again.
             state.next_store_chunk = min(state.next_store_chunk, record.first_chunk)
 
     def has_inflight_jobs(self) -> bool:
-        return bool(self._jobs)
+        return bool(self.jobs)
 
     def keeps_engine_busy(self) -> bool:
         """In-flight jobs that are still making progress.
@@ -581,13 +530,13 @@ class DraftOffloadScheduler:
         writes = self.l3_writes
         if writes is not None and writes.has_work() and now - writes.last_progress < STALL_S:
             return True  # L3 writes drain while the engine is otherwise idle
-        if not self._jobs:
+        if not self.jobs:
             return False
-        if now - self._last_progress < STALL_S:
+        if self.jobs.stalled_for(now) < STALL_S:
             return True
         logger.warning(
             "DraftOffloadConnector: %d transfer job(s) made no progress for %.0f s",
-            len(self._jobs),
+            len(self.jobs),
             STALL_S,
         )
         return False
@@ -601,7 +550,7 @@ class DraftOffloadScheduler:
     def has_finishing_stores(self) -> bool:
         return any(
             record.direction == "store" and record.req_id not in self._requests
-            for record in self._jobs.values()
+            for record in self.jobs.records()
         )
 
     def reset_cache(self) -> int:

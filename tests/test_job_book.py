@@ -1,0 +1,61 @@
+"""The scheduler's job book: a job completes when every rank reported, and a failed
+load fails the stores computed on it even when all arrive in one step's reports."""
+
+from __future__ import annotations
+
+from vllm_draft_offload.job_book import STORE_AFTER_LOAD_FAILURE, JobBook, JobRecord
+from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
+
+
+def test_a_job_completes_once_every_rank_reported() -> None:
+    book = JobBook(world_size=2)
+    book.add(1, JobRecord("r", "store", []))
+    done: list[tuple[int, bool]] = []
+    book.apply(
+        DraftOffloadWorkerMetadata(completed_jobs={1: 1}), lambda j, r: done.append((j, r.failed))
+    )
+    assert done == [] and len(book) == 1
+    book.apply(
+        DraftOffloadWorkerMetadata(failed_jobs={1: 1}), lambda j, r: done.append((j, r.failed))
+    )
+    assert done == [(1, True)] and not book  # one rank failed: the job failed
+
+
+def test_a_failed_load_fails_the_stores_computed_on_it_in_the_same_reports() -> None:
+    book = JobBook(world_size=1)
+    book.add(1, JobRecord("a", "load", []))
+    book.add(2, JobRecord("b", "store", [], after_loads=(1,)))  # read the load's blocks
+    book.add(3, JobRecord("a", "store", []))  # the same request, a later step
+    book.add(4, JobRecord("c", "store", []))  # unrelated
+    done: dict[int, JobRecord] = {}
+
+    def complete(job_id: int, record: JobRecord) -> None:
+        done[job_id] = record
+        if record.direction == "load" and record.failed:
+            book.fail_stores_computed_on(job_id, record)
+
+    book.apply(
+        DraftOffloadWorkerMetadata(
+            failed_jobs={1: 1}, completed_jobs={2: 1, 3: 1, 4: 1}, failure_causes={1: "bad"}
+        ),
+        complete,
+    )
+    assert done[1].cause == "bad"
+    assert done[2].failed and done[2].cause == STORE_AFTER_LOAD_FAILURE
+    assert done[3].failed and done[3].cause == STORE_AFTER_LOAD_FAILURE
+    assert not done[4].failed
+
+
+def test_ranks_reporting_different_successors_fail_the_fetch() -> None:
+    book = JobBook(world_size=2)
+    book.add(7, JobRecord("", "fetch", []))
+    done: list[JobRecord] = []
+    book.apply(
+        DraftOffloadWorkerMetadata(completed_jobs={7: 1}, fetched_successors={7: [5]}),
+        lambda j, r: done.append(r),
+    )
+    book.apply(
+        DraftOffloadWorkerMetadata(completed_jobs={7: 1}, fetched_successors={7: [6]}),
+        lambda j, r: done.append(r),
+    )
+    assert done[0].failed and done[0].cause == "rank_mismatch"
