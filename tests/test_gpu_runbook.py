@@ -24,7 +24,7 @@ def test_lease_script_parses_and_lists_its_phases() -> None:
     assert subprocess.run([BASH, "-n", str(LEASE)]).returncode == 0
     usage = _run()
     assert usage.returncode == 2
-    for phase in ("fixtures", "fx", "accept", "l3", "soak", "chain", "await", "collect"):
+    for phase in ("fixtures", "fx", "accept", "l3", "hybrid-speed", "soak", "chain", "await"):
         assert f"#   {phase}" in usage.stdout, phase
 
 

@@ -4,13 +4,14 @@ need a GPU)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 
-from vllm_draft_offload.bench.speed import l3_dir, restore_engine, restore_report, shapes
+from vllm_draft_offload.bench.speed import hook_cost, l3_dir, restore_engine, restore_report, shapes
 from vllm_draft_offload.bench.speed import restore as restore_speed
 from vllm_draft_offload.l3_calibration import object_name
 
@@ -214,3 +215,21 @@ def test_unknown_or_repeated_shapes_are_refused(capsys: pytest.CaptureFixture[st
         with pytest.raises(SystemExit):
             restore_speed.main(["--out", "/tmp/never.json", "--shape", shape])
         assert "--shape" in capsys.readouterr().err
+
+
+def test_gptoss_shape_alternates_windows_as_vllm_reads_them(tmp_path: Path) -> None:
+    """gpt-oss-20b's attention layout: config.json carries what vLLM 0.33's Llama reads
+    per layer (`layer_types`, `sliding_window`), and the bytes that grow with a prefix
+    are the 12 full-attention layers' only."""
+    target, draft = shapes.SHAPES["gptoss20b"]
+    config = json.loads(
+        (Path(shapes.write_config(tmp_path / "t", target, 16448)) / "config.json").read_text()
+    )
+    assert config["sliding_window"] == 128 and len(config["layer_types"]) == 24
+    assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert shapes.kv_bytes_per_token(target) == 2 * 2 * 12 * 8 * 64
+    assert shapes.page_bytes(target) == 32 * 1024  # 8 KV heads x 64, 16 tokens, K and V
+    assert not shapes.has_windows(draft)
+    # The hook-cost model simulates full attention only: it refuses the shape.
+    with pytest.raises(SystemExit):
+        hook_cost.build_parser().parse_args(["--out", "x", "--shape", "gptoss20b"])

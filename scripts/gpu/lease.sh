@@ -11,6 +11,8 @@
 #   pressure  the pressure run with per-token margins: /root/pressure
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart,
 #             then l3-stages (the fetch path's stages against a plain read)
+#   hybrid-speed  restore-speed at the gpt-oss-20b-like shape (sliding windows, 16k
+#             prompts): recompute, native, ours (about 5 min, estimated)
 #   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and
 #             the memcpy copy path (about 11 min): /root/decode_*.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
@@ -75,6 +77,8 @@ declare -A CMD=(
   [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
     --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90"
   [hybrid]="bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
+  [hybrid-speed]="vllm-draft-offload restore-speed --enforce-eager --shape gptoss20b \
+    --configs recompute,native,ours --reps 3 --out /root/restore_speed_gptoss.json"
   [accept]="$(accept_cmd)"
 )
 
@@ -90,7 +94,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|accept|serve|pressure|l3|decode|soak|hybrid)
+fx|accept|serve|pressure|l3|decode|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -133,7 +137,7 @@ collect)
   done
   [ -d /root/serve ] && cp -r /root/serve "$C"/
   [ -f /root/pressure/pressure.json ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$C"/
-  cp /root/restore_speed_l3.json /root/l3_stages.json /root/decode_*.json "$C"/ 2>/dev/null
+  cp /root/restore_speed_*.json /root/l3_stages.json /root/decode_*.json "$C"/ 2>/dev/null
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
   tar -czf /root/lease.tgz -C /root collect
   if [ "$(stat -c %s /root/lease.tgz)" -le $((15 << 20)) ]; then
@@ -143,5 +147,5 @@ collect)
   fi
   ls -la "$OUT" ;;
 *)
-  sed -n '2,30p' "$SELF"; exit 2 ;;
+  awk 'NR > 1 && !/^#/ {exit} NR > 1' "$SELF"; exit 2 ;;
 esac

@@ -35,7 +35,14 @@ from typing import Any
 
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.decode_overhead import CONFIGS, connector_config
-from vllm_draft_offload.bench.speed.shapes import BLOCK_SIZE, SHAPES, VOCAB, write_config
+from vllm_draft_offload.bench.speed.shapes import (
+    BLOCK_SIZE,
+    SHAPES,
+    VOCAB,
+    Shape,
+    has_windows,
+    write_config,
+)
 
 EXAMPLES = """examples:
   vllm-draft-offload hook-cost --out /tmp/hook_cost.json
@@ -191,7 +198,7 @@ class Engine:
         # FlashAttention's layout on CUDA (NHD): a layer's K and V of a block side by side.
         self.vllm_config.cache_config.kv_cache_layout = "LBNHC"
 
-        def spec(shape: dict[str, int], is_draft: bool) -> FullAttentionSpec:
+        def spec(shape: Shape, is_draft: bool) -> FullAttentionSpec:
             return FullAttentionSpec(
                 block_size=BLOCK_SIZE,
                 num_kv_heads=shape["num_key_value_heads"],
@@ -407,7 +414,10 @@ def compare(configs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = command_parser("hook-cost", __doc__, EXAMPLES)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    # Its simulated KV cache is full attention only: shapes with sliding windows are not
+    # modelled here (restore-speed and decode-overhead run them in real engines).
+    full_attention = sorted(name for name, (target, _) in SHAPES.items() if not has_windows(target))
+    parser.add_argument("--shape", default="small", choices=full_attention)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=512)

@@ -43,15 +43,18 @@ with CUDA events (its `transfer_seconds` counter): restores while hitting, store
 while prefilling fresh prompts.
 
 Shapes (`--shape`, several comma-separated in one run): `llama8b` (32 layers,
-8 KV heads x 128, 64 KiB pages per block of 16 tokens, 4-layer drafter) and
-`small` (a Llama-3.2-1B shape: 16 layers, 8 KV heads x 64, 32 KiB pages, 2-layer
-drafter). `table` holds one row per shape: restore and store GB/s / pinned
-memcpy, hit TTFT (first and steady) / recompute and / native, and the first hit
-over the steady ones (`first_over_steady`, ours and native). With one shape
-the report keeps its single-shape layout; with several, each shape's report is
-under `shapes`. `--copy-path` sets the connector's `copy_path` (default: the
-connector's default, `auto`); `vllm-draft-offload copy-speed` measures the paths
-page size by page size.
+8 KV heads x 128, 64 KiB pages per block of 16 tokens, 4-layer drafter), `small`
+(a Llama-3.2-1B shape: 16 layers, 8 KV heads x 64, 32 KiB pages, 2-layer drafter)
+and `gptoss20b` (gpt-oss-20b's attention layout as a dense Llama: 24 layers
+alternating 128-token sliding windows and full attention, 8 KV heads x 64, an MLP
+as wide as its 4 active experts; the 8B shape's 4-layer drafter; its
+`kv_bytes_per_token` counts the full-attention layers only). `table` holds one row
+per shape: restore and store GB/s / pinned memcpy, hit TTFT (first and steady) /
+recompute and / native, and the first hit over the steady ones
+(`first_over_steady`, ours and native). With one shape the report keeps its
+single-shape layout; with several, each shape's report is under `shapes`.
+`--copy-path` sets the connector's `copy_path` (default: the connector's default,
+`auto`); `vllm-draft-offload copy-speed` measures the paths page size by page size.
 """
 
 from __future__ import annotations

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-LLAMA8B = {
+# A config.json's model fields: sizes, and for hybrid shapes `layer_types` and
+# `sliding_window` (vLLM 0.33's Llama reads them per layer).
+Shape = dict[str, Any]
+SLIDING = "sliding_attention"
+
+LLAMA8B: Shape = {
     "hidden_size": 4096,
     "intermediate_size": 14336,
     "num_hidden_layers": 32,
@@ -15,7 +21,7 @@ LLAMA8B = {
     "head_dim": 128,
 }
 
-DRAFT_SHAPE = {
+DRAFT_SHAPE: Shape = {
     "hidden_size": 2048,
     "intermediate_size": 8192,
     "num_hidden_layers": 4,
@@ -25,7 +31,7 @@ DRAFT_SHAPE = {
 }
 
 # Llama-3.2-1B's KV geometry (16 layers, 8 KV heads x 64, hidden 2048), drafter of 2 layers.
-SMALL = {
+SMALL: Shape = {
     "hidden_size": 2048,
     "intermediate_size": 8192,
     "num_hidden_layers": 16,
@@ -34,9 +40,24 @@ SMALL = {
     "head_dim": 64,
 }
 
-SMALL_DRAFT = {**SMALL, "num_hidden_layers": 2}
+SMALL_DRAFT: Shape = {**SMALL, "num_hidden_layers": 2}
 
-TINY = {  # a smoke-test shape (CPU dry run), not a benchmark
+# gpt-oss-20b's attention layout: 24 layers alternating 128-token sliding-window and
+# full attention, 8 KV heads x 64, hidden 2880, 64 query heads. As a dense Llama whose
+# MLP is as wide as its 4 active experts (4 x 2880): the KV, its window groups and
+# about its active compute per token, not its MoE routing or attention sinks.
+GPTOSS20B: Shape = {
+    "hidden_size": 2880,
+    "intermediate_size": 4 * 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "sliding_window": 128,
+    "layer_types": [SLIDING, "full_attention"] * 12,
+}
+
+TINY: Shape = {  # a smoke-test shape (CPU dry run), not a benchmark
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 2,
@@ -45,14 +66,24 @@ TINY = {  # a smoke-test shape (CPU dry run), not a benchmark
     "head_dim": 64,
 }
 
-SHAPES = {"llama8b": (LLAMA8B, DRAFT_SHAPE), "small": (SMALL, SMALL_DRAFT), "tiny": (TINY, TINY)}
+SHAPES: dict[str, tuple[Shape, Shape]] = {
+    "llama8b": (LLAMA8B, DRAFT_SHAPE),
+    "small": (SMALL, SMALL_DRAFT),
+    "gptoss20b": (GPTOSS20B, DRAFT_SHAPE),
+    "tiny": (TINY, TINY),
+}
+
+
+def has_windows(shape: Shape) -> bool:
+    return SLIDING in shape.get("layer_types", ())
+
 
 BLOCK_SIZE = 16  # vLLM's default on CUDA: a page holds K and V of 16 tokens
 
 VOCAB = 128256
 
 
-def write_config(path: Path, shape: dict[str, int], max_len: int) -> str:
+def write_config(path: Path, shape: Shape, max_len: int) -> str:
     path.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -71,11 +102,16 @@ def write_config(path: Path, shape: dict[str, int], max_len: int) -> str:
     return str(path)
 
 
-def kv_bytes_per_token(shape: dict[str, int]) -> int:
-    """K and V, bf16, every layer."""
-    return 2 * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
+def kv_bytes_per_token(shape: Shape) -> int:
+    """K and V, bf16, of every layer whose KV grows with the prefix: all of them, or
+    with sliding windows the full-attention ones (a window layer holds at most its
+    window, whatever the prefix)."""
+    layers = shape["num_hidden_layers"]
+    if has_windows(shape):
+        layers = sum(kind != SLIDING for kind in shape["layer_types"])
+    return 2 * 2 * layers * shape["num_key_value_heads"] * shape["head_dim"]
 
 
-def page_bytes(shape: dict[str, int]) -> int:
+def page_bytes(shape: Shape) -> int:
     """One layer's page: K and V of a block, bf16."""
-    return kv_bytes_per_token({**shape, "num_hidden_layers": 1}) * BLOCK_SIZE
+    return 2 * 2 * shape["num_key_value_heads"] * shape["head_dim"] * BLOCK_SIZE
