@@ -364,7 +364,7 @@ def test_storage_that_one_read_saturates_is_priced_by_a_round(
     assert first["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}, _decisions(eng)
     assert l3.log.recent[-1].probe == "abandoned with 0/4 landed", _decisions(eng)
     deadline = time.monotonic() + 10
-    while l3.fetch_units:  # the probe lands in the background
+    while l3.fetches.units:  # the probe lands in the background
         assert time.monotonic() < deadline, _decisions(eng)
         eng.step()
         time.sleep(0.005)

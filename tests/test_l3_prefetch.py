@@ -190,7 +190,7 @@ def test_ranks_with_different_successors_mean_recompute_and_deletion(
     while eng.scheduler.requests["tp2"].num_computed_tokens < len(tokens):
         assert time.monotonic() < deadline
         eng.step()
-        for job_id, (_, placeholder) in list(sched.l3.fetch_units.items()):
+        for job_id, (_, placeholder) in list(sched.l3.fetches.units.items()):
             if job_id not in reported:  # rank 1 answers in a later step than rank 0
                 reported.add(job_id)
                 rank1 = DraftOffloadWorkerMetadata(

@@ -108,7 +108,7 @@ class PrefetchMachine(RuleBasedStateMachine):
                 state.lookup.result(10)  # deterministic: let the lookup answer, then ask again
         if waits:
             self.waiting_on[req_id] = [view.handle for _, view in match.chunks]
-            self.jobs = list(self.prefetch.fetch_units)
+            self.jobs = list(self.prefetch.fetches.units)
         else:
             self.waiting_on.pop(req_id, None)
             self.prefetch.forget(req_id)  # admitted: the scheduler takes over
@@ -159,7 +159,7 @@ class PrefetchMachine(RuleBasedStateMachine):
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "missing", RANK_MISMATCH]))
     def finish_fetch(self, data: st.DataObject, outcome: str) -> None:
         self.prefetch.take_fetch_jobs()
-        pending = list(self.prefetch.fetch_units)
+        pending = list(self.prefetch.fetches.units)
         if not pending:
             return
         job = data.draw(st.sampled_from(pending))
@@ -200,7 +200,7 @@ class PrefetchMachine(RuleBasedStateMachine):
         for unit in self.load_pins:
             self.index.unpin(unit)
         # Every pin the prefetch took was given back.
-        for pending_job in list(self.prefetch.fetch_units):
+        for pending_job in list(self.prefetch.fetches.units):
             self.prefetch.fetch_finished(pending_job, None, "object_missing")
         assert all(e.pins == 0 for e in self.index._entries.values())
 

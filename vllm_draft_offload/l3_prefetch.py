@@ -36,14 +36,13 @@ from vllm_draft_offload.l3_background import BackgroundProbe
 from vllm_draft_offload.l3_calibration import Calibration
 from vllm_draft_offload.l3_cost import CostModel
 from vllm_draft_offload.l3_decisions import DecisionLog, L3Decision
+from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.l3_tier import SchedulerL3
 from vllm_draft_offload.metadata import FetchJob
 from vllm_draft_offload.metrics import DraftOffloadStats
 
 logger = logging.getLogger(__name__)
 
-# Successor tuple of a unit whose header has not been read yet; token ids are >= 0.
-PLACEHOLDER = -1
 # Refusal cause of a unit whose TP ranks' objects disagree.
 RANK_MISMATCH = "rank_mismatch"
 # Decline causes (metrics.L3_DECLINE_CAUSES): storage hits estimated to load slower
@@ -81,17 +80,6 @@ class L3RequestState:
     fetch_base: int = 0
 
 
-@dataclass
-class FetchRound:
-    """Fetches sent together. Once all of them landed, the round's time over its size
-    is the pace the storage sustains with that many reads in flight (a disk bounded
-    by bandwidth reads k units at once in k times one unit's time, not in one)."""
-
-    sent: float
-    size: int
-    pending: set[int]
-
-
 class L3Prefetch:
     def __init__(
         self,
@@ -110,7 +98,6 @@ class L3Prefetch:
         self.timeout_s = config.timeout_s
         self.hit_policy = config.hit_policy
         self.stats = stats
-        self.new_job_id = new_job_id
         self.cost = CostModel(chunk_size, unit_bytes, config.io_threads)
         self.log = DecisionLog(config.log_decisions)
         # The prefill speed of an earlier engine like this one (None: not shared).
@@ -130,15 +117,11 @@ class L3Prefetch:
         # Chunk keys of the units fetched from storage for a request while it waited:
         # where its hit came from (vLLM's hits by source).
         self._fetched_for: dict[str, set[bytes]] = {}
-        self._pending_fetches: list[FetchJob] = []
-        # fetch job id -> (request id or None for a probe, placeholder unit)
-        self.fetch_units: dict[int, tuple[str | None, UnitId]] = {}
-        # fetch job id -> the round it was sent in (rounds of io_threads units or more)
-        self._rounds: dict[int, FetchRound] = {}
+        self.fetches = FetchBook(index, new_job_id, self.cost.storage)
         # Lookups no request waits for any more, kept to measure the storage.
         self.background = BackgroundProbe(
             self.cost.storage,
-            lambda chunk_keys: self._fetch_round(None, chunk_keys),
+            lambda chunk_keys: self.fetches.reserve(None, chunk_keys),
             self._found,
         )
 
@@ -408,8 +391,7 @@ class L3Prefetch:
     def _finish(self, state: L3RequestState, outcome: str, landed: int) -> None:
         """The request stops waiting: fetches still in flight finish in the background
         (into the CPU tier, timing the storage); the decision is logged."""
-        for job_id in state.jobs:
-            self.fetch_units[job_id] = (None, self.fetch_units[job_id][1])
+        self.fetches.orphan(state.jobs)
         state.jobs.clear()
         state.landed = max(state.landed, landed)
         state.phase = "done"
@@ -435,7 +417,7 @@ class L3Prefetch:
         """Fetch chunks [first, first + count) for the request, as far as slots allow,
         and wait on them in `phase`; False (the request stops waiting): no free slot."""
         # Short of free slots, a prefix of them: recompute the rest.
-        jobs = self._fetch_round(req_id, keys[first : first + count])
+        jobs = self.fetches.reserve(req_id, keys[first : first + count])
         state.jobs.update(jobs)
         state.decision.wanted += len(jobs)
         if not state.jobs:
@@ -447,54 +429,12 @@ class L3Prefetch:
         state.phase = phase
         return True
 
-    def _fetch_round(self, req_id: str | None, chunk_keys: Sequence[bytes]) -> list[int]:
-        """Reserve fetches of `chunk_keys` in order until a slot is lacking; their job
-        ids. Sent together, they are one round: a round of at least io_threads units
-        times the pace of the storage when it lands (_round_landed)."""
-        jobs = []
-        for chunk_key in chunk_keys:
-            job_id = self._reserve_fetch(req_id, chunk_key)
-            if job_id is None:
-                break
-            jobs.append(job_id)
-        if len(jobs) >= self.cost.storage.parallel:
-            fetch_round = FetchRound(time.monotonic(), len(jobs), set(jobs))
-            self._rounds.update(dict.fromkeys(jobs, fetch_round))
-        return jobs
-
-    def _round_landed(self, job_id: int, landed: bool) -> None:
-        """A fetch ended; the last of a round whose every unit landed times the pace.
-        A round with a failed unit says nothing about speed."""
-        fetch_round = self._rounds.pop(job_id, None)
-        if fetch_round is None:
-            return
-        fetch_round.pending.discard(job_id)
-        if not landed:
-            for other in fetch_round.pending:
-                del self._rounds[other]
-            return
-        if not fetch_round.pending:
-            elapsed = time.monotonic() - fetch_round.sent
-            self.cost.storage.observe_pace(elapsed / fetch_round.size)
-
     def _found(self, chunk_keys: Sequence[bytes]) -> None:
         if self.on_found is not None:
             self.on_found(chunk_keys)
 
-    def _reserve_fetch(self, req_id: str | None, chunk_key: bytes) -> int | None:
-        job_id = self.new_job_id()
-        placeholder: UnitId = (chunk_key, (PLACEHOLDER, job_id))
-        # Evicts only unpinned, ready units: never a waiting request's head.
-        entry = self.index.reserve(placeholder)
-        if entry is None:
-            return None
-        self._pending_fetches.append(FetchJob(job_id, entry.slot, chunk_key))
-        self.fetch_units[job_id] = (req_id, placeholder)
-        return job_id
-
     def take_fetch_jobs(self) -> list[FetchJob]:
-        jobs, self._pending_fetches = self._pending_fetches, []
-        return jobs
+        return self.fetches.take_unsent()
 
     def fetch_timing(self, seconds: float) -> None:
         """One rank's fetch of one unit took `seconds` (read, decode, copy)."""
@@ -502,12 +442,11 @@ class L3Prefetch:
 
     def fetch_finished(self, job_id: int, successors: list[int] | None, cause: str | None) -> None:
         """All workers answered a fetch: publish the unit, or drop it and say why."""
-        req_id, placeholder = self.fetch_units.pop(job_id)
+        req_id, placeholder = self.fetches.finished(job_id, successors is not None and not cause)
         self.background.fetch_finished(job_id)
         state = self._requests.get(req_id) if req_id is not None else None
         if state is not None:
             state.jobs.discard(job_id)
-        self._round_landed(job_id, successors is not None and cause is None)
         if successors is None or cause is not None:
             self.index.remove(placeholder)
             self.stats.record_refused(cause or "l3_corrupt")

@@ -4,7 +4,7 @@
 every object whose class comes from ``vllm_draft_offload`` or LMCache (what the
 storage tier drives: its staging backend, allocator, connectors, stats monitor),
 and records the length of each dict, list, set, deque or sorted list it finds
-(``scheduler.l3.fetch_units: 3``), the backlog of each queue and thread pool, and
+(``scheduler.l3.fetches.units: 3``), the backlog of each queue and thread pool, and
 the tasks of each event loop. Containers are counted, not entered; vLLM objects,
 tensors and arrays are not walked. A container that grows with requests, units or
 faults shows as a path whose count climbs while the load is steady.

@@ -1,0 +1,88 @@
+"""Scheduler-side storage fetches in flight: the placeholder each one reserves in the CPU
+tier, the jobs the workers are still to be sent, the request each one is for (None:
+nobody waits for it any more, it lands in the background), and the rounds that time
+the storage's pace.
+
+A round is the fetches sent together. Once all of them landed, the round's time over
+its size is the pace the storage sustains with that many reads in flight: a disk
+bounded by bandwidth reads k units at once in k times one unit's time, not in one.
+Only rounds of at least one unit per read thread are timed: a couple of units would
+price a long fetch at one unit's latency each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
+from vllm_draft_offload.l3_cost import StorageEstimate
+from vllm_draft_offload.metadata import FetchJob
+
+# Successor tuple of a unit whose header has not been read yet; token ids are >= 0.
+PLACEHOLDER = -1
+
+
+@dataclass
+class FetchRound:
+    sent: float
+    size: int
+    pending: set[int]
+
+
+class FetchBook:
+    def __init__(
+        self, index: CpuTierIndex, new_job_id: Callable[[], int], storage: StorageEstimate
+    ) -> None:
+        self.index = index
+        self.new_job_id = new_job_id
+        self.storage = storage
+        # fetch job id -> (request id or None, placeholder unit in the CPU tier)
+        self.units: dict[int, tuple[str | None, UnitId]] = {}
+        self._unsent: list[FetchJob] = []
+        self._rounds: dict[int, FetchRound] = {}
+
+    def reserve(self, req_id: str | None, chunk_keys: Sequence[bytes]) -> list[int]:
+        """Reserve fetches of `chunk_keys` in order, for the request (None: for nobody),
+        until a slot is lacking; their job ids, sent with the next step as one round."""
+        jobs = []
+        for chunk_key in chunk_keys:
+            job_id = self.new_job_id()
+            placeholder: UnitId = (chunk_key, (PLACEHOLDER, job_id))
+            # Evicts only unpinned, ready units: never a waiting request's head.
+            entry = self.index.reserve(placeholder)
+            if entry is None:
+                break
+            self._unsent.append(FetchJob(job_id, entry.slot, chunk_key))
+            self.units[job_id] = (req_id, placeholder)
+            jobs.append(job_id)
+        if len(jobs) >= self.storage.parallel:
+            fetch_round = FetchRound(time.monotonic(), len(jobs), set(jobs))
+            self._rounds.update(dict.fromkeys(jobs, fetch_round))
+        return jobs
+
+    def take_unsent(self) -> list[FetchJob]:
+        jobs, self._unsent = self._unsent, []
+        return jobs
+
+    def orphan(self, job_ids: Iterable[int]) -> None:
+        """Their request stopped waiting: they land in the background."""
+        for job_id in job_ids:
+            self.units[job_id] = (None, self.units[job_id][1])
+
+    def finished(self, job_id: int, landed: bool) -> tuple[str | None, UnitId]:
+        """Every worker answered the fetch: who it was for and its placeholder. The last
+        of a round whose every unit landed times the storage's pace; a round with a
+        unit that did not land says nothing about speed."""
+        owner = self.units.pop(job_id)
+        fetch_round = self._rounds.pop(job_id, None)
+        if fetch_round is not None:
+            fetch_round.pending.discard(job_id)
+            if not landed:
+                for other in fetch_round.pending:
+                    del self._rounds[other]
+            elif not fetch_round.pending:
+                elapsed = time.monotonic() - fetch_round.sent
+                self.storage.observe_pace(elapsed / fetch_round.size)
+        return owner
