@@ -13,7 +13,7 @@ from kv_sim import SimSetup, make_vllm_config, write_tiny_llama
 
 from vllm_draft_offload.chunk_keys import make_salt, request_salt
 from vllm_draft_offload.config import parse_config
-from vllm_draft_offload.geometry import drafter_identity, target_identity, weights_fingerprint
+from vllm_draft_offload.identity import drafter_identity, target_identity, weights_fingerprint
 
 
 def _salt(target: Path, draft: Path) -> bytes:

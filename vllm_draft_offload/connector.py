@@ -23,13 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_draft_offload.config import ConfigError, parse_config
-from vllm_draft_offload.geometry import (
-    build_unit_layout,
-    check_state_groups,
-    drafter_identity,
-    hit_rules,
-    target_identity,
-)
+from vllm_draft_offload.geometry import build_unit_layout, check_state_groups, hit_rules
+from vllm_draft_offload.identity import drafter_identity, target_identity
 from vllm_draft_offload.metadata import DraftOffloadMetadata, DraftOffloadWorkerMetadata
 from vllm_draft_offload.metrics import build_kv_connector_stats
 from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
