@@ -233,3 +233,60 @@ def test_gptoss_shape_alternates_windows_as_vllm_reads_them(tmp_path: Path) -> N
     # The hook-cost model simulates full attention only: it refuses the shape.
     with pytest.raises(SystemExit):
         hook_cost.build_parser().parse_args(["--out", "x", "--shape", "gptoss20b"])
+
+
+ENGINE_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from vllm_draft_offload.bench.accept.engine import prepare_cpu_platform
+prepare_cpu_platform()
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_draft_offload.bench.speed import shapes
+work = Path(sys.argv[1])
+target, draft = shapes.SHAPES["gptoss20b"]
+# The shape's KV geometry (8 KV heads x 64), with a CPU's hidden sizes.
+small = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8}
+# gpt-oss's alternation at a CPU's size: 6 window + 6 full layers, a 2-layer drafter
+# (8 full-attention layers against 6: vLLM keeps the drafter in one group).
+t = shapes.write_config(work / "t", {**target, **small, "num_hidden_layers": 12,
+    "layer_types": target["layer_types"][:12], "sliding_window": 64}, 1024)
+d = shapes.write_config(work / "d", {**draft, **small, "num_hidden_layers": 2}, 1024)
+llm = LLM(model=t, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    max_model_len=1024, enforce_eager=True, enable_prefix_caching=True, block_size=32,
+    distributed_executor_backend="uni",
+    speculative_config={"method": "draft_model", "model": d, "num_speculative_tokens": 3},
+    kv_transfer_config={"kv_connector": "DraftOffloadConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 28, "chunk_size": 64}})
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+prompt = TokensPrompt(prompt_token_ids=[500 + (i * 7919) % 20000 for i in range(520)])
+fresh = llm.generate([prompt], params)[0]
+for _ in range(200):  # the GPU prefix cache empties once the stores landed
+    if llm.reset_prefix_cache():
+        break
+    llm.generate([TokensPrompt(prompt_token_ids=[600, 601])], SamplingParams(max_tokens=1))
+    time.sleep(0.05)
+hit = llm.generate([prompt], params)[0]
+print("RESULT " + json.dumps({"cached": hit.num_cached_tokens,
+    "equal": list(hit.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)}))
+"""
+
+
+def test_gptoss_layout_runs_in_a_cpu_engine_with_the_connector(tmp_path: Path) -> None:
+    """The layout the gptoss20b shape runs on the GPU, at a CPU's size, in a real vLLM
+    engine: it starts (vLLM accepts the drafter's grouping) and the connector restores
+    the prompt's whole chunks after the GPU prefix cache was emptied. Dummy weights: a
+    check that the benchmark's configuration runs, not of outputs."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT, str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["cached"] == 512, result  # 8 chunks of 64; the 8 tokens after recomputed
+    assert result["equal"]

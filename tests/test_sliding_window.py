@@ -422,3 +422,52 @@ def test_fingerprint_names_the_window_cut_only_where_there_is_one(
     hybrid = engine(model_dirs).kv_cache_config
     cuts = {build_unit_layout(hybrid, CHUNK, hit_slack=s).fingerprint() for s in (0, 2, 40)}
     assert len(cuts) == 3
+
+
+def _shape_specs(shape: dict, is_draft: bool, prefix: str) -> dict[str, object]:
+    """vLLM's KV-cache spec of each attention layer of a restore-speed shape."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    geometry = {
+        "block_size": 16,
+        "num_kv_heads": shape["num_key_value_heads"],
+        "head_size": shape["head_dim"],
+        "dtype": torch.bfloat16,
+    }
+    kinds = shape.get("layer_types", ["full_attention"] * shape["num_hidden_layers"])
+    return {
+        f"{prefix}.layers.{i}.self_attn.attn": SlidingWindowSpec(
+            **geometry, sliding_window=shape["sliding_window"]
+        )
+        if kind == "sliding_attention"
+        else FullAttentionSpec(**geometry, is_draft=is_draft)
+        for i, kind in enumerate(kinds)
+    }
+
+
+def test_gptoss_shape_keeps_its_drafter_in_one_group(model_dirs: tuple[Path, Path]) -> None:
+    """vLLM 0.33's proposer asserts that every drafter layer sits in one KV-cache group.
+    The restore-speed gpt-oss-20b-like shape and its drafter pass vLLM's own grouping
+    (16 full-attention layers against 12 window layers: one group each); a drafter of
+    twice the layers would be split, as a CPU engine showed (the assertion, with no
+    connector too)."""
+    from kv_sim import make_vllm_config
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+
+    from vllm_draft_offload.bench.speed.shapes import SHAPES
+
+    vllm_config = make_vllm_config(*model_dirs, SimSetup())
+    target, draft = SHAPES["gptoss20b"]
+
+    def draft_groups(draft_shape: dict) -> int:
+        specs = {
+            **_shape_specs(target, False, "model"),
+            **_shape_specs(draft_shape, True, "draft_model.model"),
+        }
+        groups = get_kv_cache_groups(vllm_config, specs)  # type: ignore[arg-type]
+        return sum(
+            any(name.startswith("draft_model.") for name in group.layer_names) for group in groups
+        )
+
+    assert draft_groups(draft) == 1
+    assert draft_groups({**draft, "num_hidden_layers": 8}) > 1

@@ -47,7 +47,7 @@ Shapes (`--shape`, several comma-separated in one run): `llama8b` (32 layers,
 (a Llama-3.2-1B shape: 16 layers, 8 KV heads x 64, 32 KiB pages, 2-layer drafter)
 and `gptoss20b` (gpt-oss-20b's attention layout as a dense Llama: 24 layers
 alternating 128-token sliding windows and full attention, 8 KV heads x 64, an MLP
-as wide as its 4 active experts; the 8B shape's 4-layer drafter; its
+as wide as its 4 active experts; a 4-layer drafter of its KV geometry; its
 `kv_bytes_per_token` counts the full-attention layers only). `table` holds one row
 per shape: restore and store GB/s / pinned memcpy, hit TTFT (first and steady) /
 recompute and / native, and the first hit over the steady ones

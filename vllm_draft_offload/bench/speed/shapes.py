@@ -56,6 +56,18 @@ GPTOSS20B: Shape = {
     "sliding_window": 128,
     "layer_types": [SLIDING, "full_attention"] * 12,
 }
+# Its drafter: 4 full-attention layers of the target's KV geometry, so vLLM puts them in
+# one group with the target's 12 full-attention layers (16 against 12 window layers is
+# within vLLM 0.33's 1.5 x rule, as for gpt-oss-20b with EAGLE). A drafter of another
+# geometry, or more layers, is split across groups, which vLLM's proposer refuses.
+GPTOSS20B_DRAFT: Shape = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
 
 TINY: Shape = {  # a smoke-test shape (CPU dry run), not a benchmark
     "hidden_size": 256,
@@ -69,7 +81,7 @@ TINY: Shape = {  # a smoke-test shape (CPU dry run), not a benchmark
 SHAPES: dict[str, tuple[Shape, Shape]] = {
     "llama8b": (LLAMA8B, DRAFT_SHAPE),
     "small": (SMALL, SMALL_DRAFT),
-    "gptoss20b": (GPTOSS20B, DRAFT_SHAPE),
+    "gptoss20b": (GPTOSS20B, GPTOSS20B_DRAFT),
     "tiny": (TINY, TINY),
 }
 
