@@ -57,6 +57,10 @@ FETCH_TOO_SLOW = "fetch_too_slow"
 _WAITING = frozenset({"lookup", "probe", "fetch"})
 
 
+def _units(count: int) -> str:
+    return f"{count} unit" if count == 1 else f"{count} units"
+
+
 @dataclass
 class L3RequestState:
     first_chunk: int
@@ -332,7 +336,7 @@ class L3Prefetch:
             # The wait allowance bounds what it may cost.
             size = min(storage.parallel, hits)
             if self._fetch_chunks(req_id, state, keys, first, size, "probe"):
-                state.decision.probe = f"{state.decision.wanted} sent"
+                state.decision.probe = f"{_units(state.decision.wanted)} sent"
             return
         wanted = self.cost.chunks_worth_loading(first, hits, round_trip=False)
         self._note_estimate(state, wanted or hits)
@@ -342,7 +346,7 @@ class L3Prefetch:
             if storage.stale():
                 sent = self.background.probe(keys[first : first + hits])
                 if sent:
-                    state.decision.probe = f"{sent} in the background"
+                    state.decision.probe = f"{_units(sent)} in the background"
             self._finish(state, "declined:" + SLOWER_THAN_RECOMPUTE, 0)
             return
         self._fetch_chunks(req_id, state, keys, first, wanted, "fetch")
