@@ -8,6 +8,7 @@ import pytest
 
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench.speed import decode_overhead as dec
+from vllm_draft_offload.bench.speed import decode_report as rep
 
 
 def test_store_config_stores_decode_and_none_has_no_connector() -> None:
@@ -39,12 +40,12 @@ def test_prompts_are_new_to_every_batch_and_the_same_in_every_engine() -> None:
 
 
 def test_whole_chunks_leave_out_the_last_sampled_token() -> None:
-    assert dec.whole_chunks(1024, 512, 256) == 5  # 1535 tokens have KV
-    assert dec.whole_chunks(1024, 257, 256) == 5
-    assert dec.whole_chunks(1024, 256, 256) == 4  # the answer's chunk lacks one token
+    assert rep.whole_chunks(1024, 512, 256) == 5  # 1535 tokens have KV
+    assert rep.whole_chunks(1024, 257, 256) == 5
+    assert rep.whole_chunks(1024, 256, 256) == 4  # the answer's chunk lacks one token
     # The default turn 1 answer is long enough for decode KV to be stored and reused.
     args = dec.build_parser().parse_args(["--out", "x"])
-    reused = dec.whole_chunks(args.prompt_tokens, args.turn_decode_tokens, args.chunk_size)
+    reused = rep.whole_chunks(args.prompt_tokens, args.turn_decode_tokens, args.chunk_size)
     assert reused * args.chunk_size > args.prompt_tokens
 
 
@@ -53,13 +54,13 @@ def test_decode_rate_spans_last_first_token_to_last_token() -> None:
         {"out_len": 101, "first_ts": 10.0, "last_ts": 12.0},
         {"out_len": 101, "first_ts": 10.5, "last_ts": 12.5},
     ]
-    assert dec.decode_rate(records) == {
+    assert rep.decode_rate(records) == {
         "decode_tokens": 200,
         "decode_s": 2.0,
         "decode_tok_s": 100.0,
     }
     # No engine timestamps (metrics off): no rate rather than a wrong one.
-    assert dec.decode_rate([{"out_len": 5}])["decode_tok_s"] is None
+    assert rep.decode_rate([{"out_len": 5}])["decode_tok_s"] is None
 
 
 def _rep(rate: float, stored: float = 80.0) -> dict:
@@ -96,7 +97,7 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
             {"reps": [_rep(975.0)]},
         ],
     )
-    dec.summarize(report)
+    rep.summarize(report)
     summary = report["summary"]
     assert summary["decode_tok_s"] == {"none": 1000.0, "idle": 995.0, "store": 980.0}
     assert summary["store_vs_none"] == 0.98 and summary["goal_0.97_met"] is True
@@ -106,7 +107,7 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     turns = summary["turns"]
     assert turns["expected_hit_tokens"] == 1280 and turns["decode_kv_reused"] is True
     assert turns["outputs_match"] is True and turns["acceptance_ratio"] == 1.9 / 2.0
-    row = dec.table_row("small", report)
+    row = rep.table_row("small", report)
     assert row == {
         "shape": "small", "decode_tok_s_none": 1000.0, "decode_tok_s_store": 980.0,
         "store_vs_none": 0.98, "idle_vs_none": 0.995, "stored_fraction": 79.0 / 80.0,
@@ -120,17 +121,17 @@ def test_a_slow_store_a_prompt_only_hit_or_a_failed_engine_show() -> None:
         none=[{"reps": [_rep(1000.0)]}],
         store=[{"reps": [_rep(960.0)], "turns": _turns([1024, 1280], same=False)}],
     )
-    dec.summarize(report)
+    rep.summarize(report)
     summary = report["summary"]
     assert summary["goal_0.97_met"] is False
     # One request hit only its prompt: its answer's decode KV was not reused.
     assert summary["turns"]["decode_kv_reused"] is False
     assert summary["turns"]["outputs_match"] is False
     failed = _report(none=[{"error": "engine died"}], store=[{"reps": [_rep(960.0)]}])
-    dec.summarize(failed)
+    rep.summarize(failed)
     assert failed["summary"]["store_vs_none"] is None
     assert failed["summary"]["goal_0.97_met"] is None
-    assert dec.table_row("llama8b", failed)["turn2_outputs_match"] is None
+    assert rep.table_row("llama8b", failed)["turn2_outputs_match"] is None
 
 
 def test_child_gets_every_setting_of_the_parent(tmp_path: Path) -> None:

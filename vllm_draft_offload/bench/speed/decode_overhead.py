@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,12 @@ import numpy as np
 
 from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.speed.decode_report import (
+    acceptance_length,
+    decode_rate,
+    summarize,
+    table_row,
+)
 from vllm_draft_offload.bench.speed.shapes import SHAPES, VOCAB, kv_bytes_per_token, write_config
 from vllm_draft_offload.bench.workloads.run import CPU_ENV
 
@@ -63,11 +68,8 @@ EXAMPLES = """examples:
 """
 MODULE = "vllm_draft_offload.bench.speed.decode_overhead"
 CONFIGS = ("none", "idle", "store")
-GOAL = 0.97
 STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
 LOADED_BYTES = "vllm:draft_offload_loaded_bytes_total"
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 # The parent's settings a child engine needs, passed on as they are.
 CHILD_FLAGS = (
     "batch", "prompt_tokens", "decode_tokens", "reps", "chunk_size", "cpu_gib", "gpu_mem",
@@ -85,11 +87,6 @@ def tokens(seed: int, n: int) -> list[int]:
 def batch_prompts(rep: int, batch: int, length: int) -> list[list[int]]:
     """Batch ``rep``'s prompts (rep -1: the warm-up): new to every engine and rep."""
     return [tokens(1_000_003 * (rep + 2) + i, length) for i in range(batch)]
-
-
-def whole_chunks(prompt_tokens: int, decode_tokens: int, chunk: int) -> int:
-    """Chunks of one request whose KV all exists: every token's but the last sampled."""
-    return (prompt_tokens + decode_tokens - 1) // chunk
 
 
 def connector_config(
@@ -119,26 +116,6 @@ def connector_config(
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
-
-
-def decode_rate(requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """Decode tokens/s of one batch from the engine's per-request timestamps: output
-    tokens after each request's first, from the last first token to the last token."""
-    tokens_after_first = sum(max(0, r["out_len"] - 1) for r in requests)
-    if not requests or any("first_ts" not in r for r in requests):
-        return {"decode_tokens": tokens_after_first, "decode_s": None, "decode_tok_s": None}
-    start = max(r["first_ts"] for r in requests)
-    end = max(r["last_ts"] for r in requests)
-    return {
-        "decode_tokens": tokens_after_first,
-        "decode_s": end - start,
-        "decode_tok_s": tokens_after_first / (end - start) if end > start else None,
-    }
-
-
-def acceptance_length(counters: dict[str, float]) -> float | None:
-    drafts = counters.get(DRAFTS, 0.0)
-    return 1.0 + counters.get(ACCEPTED, 0.0) / drafts if drafts > 0 else None
 
 
 # ----------------------------------------------------------------------------- child
@@ -321,77 +298,6 @@ def multi_turn(args: argparse.Namespace, generate, settle, snapshot, delta) -> d
 
 
 # ----------------------------------------------------------------------------- parent
-
-
-def summarize(report: dict[str, Any]) -> None:
-    """One shape's figures from its configs' reps (medians over every round)."""
-    rates: dict[str, float | None] = {}
-    for config, runs in report["configs"].items():
-        values = [
-            rep["decode_tok_s"]
-            for run in runs
-            for rep in run.get("reps", [])
-            if rep.get("decode_tok_s")
-        ]
-        rates[config] = statistics.median(values) if values else None
-    none, idle, store = rates.get("none"), rates.get("idle"), rates.get("store")
-    ratio = store / none if store and none else None
-    summary: dict[str, Any] = {
-        "decode_tok_s": rates,
-        "store_vs_none": ratio,
-        "idle_vs_none": idle / none if idle and none else None,
-        "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
-    }
-    store_reps = [rep for run in report["configs"].get("store", []) for rep in run.get("reps", [])]
-    if store_reps:
-        expected = report["batch"] * whole_chunks(
-            report["prompt_tokens"], report["decode_tokens"], report["chunk_size"]
-        )
-        stored = [rep["stored_chunks"] for rep in store_reps]
-        summary["stored_chunks_per_batch"] = stored
-        summary["expected_chunks_per_batch"] = expected
-        summary["stored_fraction"] = min(stored) / expected if expected else None
-        summary["store_hit_tokens"] = sum(rep["hit_tokens"] for rep in store_reps)
-    turns = next(
-        (run["turns"] for run in report["configs"].get("store", []) if "turns" in run), None
-    )
-    if turns is not None:
-        summary["turns"] = summarize_turns(turns, report["chunk_size"])
-    report["summary"] = summary
-
-
-def summarize_turns(turns: dict[str, Any], chunk: int) -> dict[str, Any]:
-    fresh, restored = turns["fresh"], turns["restored"]
-    # Whole chunks of turn 1's prompt + answer: what the CPU tier holds of each turn 2.
-    expected = whole_chunks(turns["prompt_tokens"], turns["answer_tokens"], chunk) * chunk
-    fresh_al, restored_al = fresh["acceptance_length"], restored["acceptance_length"]
-    return {
-        "prompt_tokens": turns["prompt_tokens"],
-        "expected_hit_tokens": expected,
-        "restored_hit_tokens": restored["hit_tokens"],
-        "fresh_hit_tokens": fresh["hit_tokens"],
-        "decode_kv_reused": all(hit > turns["prompt_tokens"] for hit in restored["hit_tokens"]),
-        "outputs_match": fresh["outputs"] == restored["outputs"],
-        "acceptance_fresh": fresh_al,
-        "acceptance_restored": restored_al,
-        "acceptance_ratio": restored_al / fresh_al if fresh_al and restored_al else None,
-    }
-
-
-def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
-    summary = report.get("summary", {})
-    turns = summary.get("turns", {})
-    return {
-        "shape": name,
-        "decode_tok_s_none": summary.get("decode_tok_s", {}).get("none"),
-        "decode_tok_s_store": summary.get("decode_tok_s", {}).get("store"),
-        "store_vs_none": summary.get("store_vs_none"),
-        "idle_vs_none": summary.get("idle_vs_none"),
-        "stored_fraction": summary.get("stored_fraction"),
-        "turn2_decode_kv_reused": turns.get("decode_kv_reused"),
-        "turn2_outputs_match": turns.get("outputs_match"),
-        "turn2_acceptance_ratio": turns.get("acceptance_ratio"),
-    }
 
 
 def child_command(
