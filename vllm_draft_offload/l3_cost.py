@@ -5,8 +5,10 @@ Two estimators, fed by what the connector sees anyway:
 * `StorageEstimate`: seconds per unit fetch (a worker thread's read, decode and
   copy into a host slot, as workers report it) and the lookup round trip. A
   fetch of k units on `parallel` read threads takes about ceil(k / parallel)
-  unit times. Exponentially weighted, so it follows a backend that slows down
-  or warms up.
+  unit times, and at least k times the pace (seconds per unit) that rounds of
+  `parallel` or more units sent together made (l3_fetches.py): storage bound by
+  bandwidth reads units in parallel no faster than one after another.
+  Exponentially weighted, so it follows a backend that slows down or warms up.
 * `PrefillEstimate`: the engine's step time (from when a step was scheduled, or
   the previous step's output arrived if later, until its output arrives), fitted as
   t = a + b * tokens + c * attention, where attention = sum over the step's
