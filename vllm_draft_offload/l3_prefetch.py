@@ -482,9 +482,11 @@ class L3Prefetch:
         for unit_id in self._pins.pop(req_id, ()):
             self.index.unpin(unit_id)
 
-    def fetched_chunk_keys(self, req_id: str) -> set[bytes]:
-        """Chunk keys of the units storage supplied for the request while it waited."""
-        return self._fetched_for.get(req_id, set())
+    def take_fetched_chunk_keys(self, req_id: str) -> set[bytes]:
+        """Chunk keys of the units storage supplied for the request while it waited,
+        once (at its admission): a later admission (after a preemption) finds them in
+        the CPU tier."""
+        return self._fetched_for.pop(req_id, set())
 
     def pinned_units(self, req_id: str) -> list[UnitId]:
         return list(self._pins.get(req_id, ()))

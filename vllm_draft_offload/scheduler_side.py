@@ -244,7 +244,7 @@ class DraftOffloadScheduler:
             # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
             match.end_token = match.start_token + num_external_tokens
         if self.l3 is not None:
-            fetched = self.l3.fetched_chunk_keys(request.request_id)
+            fetched = self.l3.take_fetched_chunk_keys(request.request_id)
             state.storage_tokens = tokens_in_chunks(
                 match, self.chunk_size, lambda chunk: state.keys.keys[chunk] in fetched
             )
