@@ -186,9 +186,14 @@ def test_bandwidth_bound_storage_is_priced_by_the_pace_fetches_made() -> None:
     storage = StorageEstimate(unit_bytes=40 << 20, parallel=8)
     storage.observe_fetch(0.035)
     assert storage.load_s(64) == pytest.approx(8 * 0.035)
-    storage.observe_pace(0.024)  # 64 units landed in 1.5 s
+    storage.observe_pace(0.024, 64)  # 64 units landed in 1.5 s
     assert storage.load_s(64) == pytest.approx(64 * 0.024)
     assert storage.load_s(1) == pytest.approx(0.035)  # one unit: its own latency
+    # The files got into the page cache: one round of 8 units at a tenth of the pace
+    # is believed about as far as 8 unit samples would be (1 - 0.8 ** 8 of the way).
+    storage.observe_pace(0.0024, 8)
+    assert storage.pace_s == pytest.approx(0.024 + (1 - 0.8**8) * (0.0024 - 0.024))
+    assert storage.pace_s < 0.3 * 0.024
 
 
 def test_a_fetch_slower_than_its_estimate_stops_waiting() -> None:

@@ -90,9 +90,12 @@ class StorageEstimate:
         with self._lock:
             self.round_trip_s += EWMA_ALPHA * (seconds - self.round_trip_s)
 
-    def observe_pace(self, seconds_per_unit: float) -> None:
+    def observe_pace(self, seconds_per_unit: float, units: int = 1) -> None:
+        """`units` landed at this pace: weighed as that many samples, so one round
+        (every read thread's unit) moves the average as far as its units' own times
+        move unit_s, and a storage that warmed up is believed after a round or two."""
         with self._lock:
-            alpha = 1.0 if self.pace_s == 0.0 else EWMA_ALPHA
+            alpha = 1.0 if self.pace_s == 0.0 else 1.0 - (1.0 - EWMA_ALPHA) ** units
             self.pace_s += alpha * (seconds_per_unit - self.pace_s)
 
     def load_s(self, units: int) -> float:

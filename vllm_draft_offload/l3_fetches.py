@@ -84,5 +84,5 @@ class FetchBook:
                     del self._rounds[other]
             elif not fetch_round.pending:
                 elapsed = time.monotonic() - fetch_round.sent
-                self.storage.observe_pace(elapsed / fetch_round.size)
+                self.storage.observe_pace(elapsed / fetch_round.size, fetch_round.size)
         return owner
