@@ -49,6 +49,12 @@ class L3Config(BaseModel):
     flush_timeout_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)
     # Log every storage lookup's decision at INFO instead of DEBUG (l3_decisions.py).
     log_decisions: bool = False
+    # Python's GIL switch interval in the worker process, in ms, while the tier is on
+    # (lowered, never raised; None: left as it is). A read thread takes the GIL back
+    # after every read and checksum call; with the engine's thread running Python it
+    # waits up to the interval (Python's default: 5 ms) each time (l3-stages
+    # --switch-interval-ms measures it).
+    switch_interval_ms: float | None = Field(default=0.5, gt=0, le=100, allow_inf_nan=False)
 
     @field_validator("io_threads", mode="before")
     @classmethod

@@ -15,6 +15,7 @@ import heapq
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -101,6 +102,20 @@ class FetchResult:
     seconds: float = 0.0
 
 
+def lower_switch_interval(seconds: float) -> None:
+    """Make threads waiting for the GIL get it within `seconds` (never later than
+    now): the read and write threads take it back after every read and checksum call,
+    and each take can otherwise wait out a whole switch interval of the engine's Python
+    (on a 2-core box, with 5 ms Python bursts: fetches at 4.5 GB/s against 2.1–2.6)."""
+    if seconds < sys.getswitchinterval():
+        logger.info(
+            "DraftOffloadConnector: GIL switch interval %.2f -> %.2f ms for the storage tier",
+            sys.getswitchinterval() * 1000,
+            seconds * 1000,
+        )
+        sys.setswitchinterval(seconds)
+
+
 class WorkerL3:
     """Worker-side L3 traffic, on background threads."""
 
@@ -122,6 +137,8 @@ class WorkerL3:
             LayerSpec(slot.name, slot.is_draft, slot.nbytes) for slot in layout.layers
         )
         self.store = open_store(config, layout.unit_bytes)
+        if config.switch_interval_ms is not None:
+            lower_switch_interval(config.switch_interval_ms / 1000)
         # Bytes a fetch reads (and hashes) at a time (unit_fetch; benchmarks vary it).
         self.fetch_piece_bytes = PIECE_BYTES
         # Separate pools: a fetch has a request waiting on it and must never queue

@@ -3,7 +3,7 @@ plain threaded read of the same files.
 
     vllm-draft-offload l3-stages --dir /tmp/l3-stages [--unit-mb 36] [--units 16] \\
         [--threads 8] [--reps 3] [--engine-loop-ms 0,1] [--writes 0,16] \\
-        [--piece-kib 1024,4096] [--out stages.json]
+        [--piece-kib 1024,4096] [--switch-interval-ms 5,0.5] [--out stages.json]
 
 Writes ``--units`` units (a Llama-3-8B-like layout: 32 target + 4 draft layers, ``--unit-mb``
 each; 36 MiB is one 256-token chunk) with the worker's own write path (``WorkerL3``), reads
@@ -21,7 +21,13 @@ them once so their files are in the page cache, then for every scenario reports:
   number, plus ``pieces_per_unit`` (reads per unit: each one releases and retakes the GIL,
   and so does each checksum call).
 
-Scenarios are every combination of ``--piece-kib``, ``--engine-loop-ms`` and ``--writes``:
+Scenarios are every combination of ``--switch-interval-ms``, ``--piece-kib``,
+``--engine-loop-ms`` and ``--writes``:
+
+* ``switch_interval_ms``: Python's GIL switch interval during the scenario
+  (``sys.setswitchinterval``; default the connector's ``l3.switch_interval_ms``, which
+  ``WorkerL3`` applies). A fetch thread takes the GIL back after every read and
+  checksum call, and each take can wait out an interval of the engine loop's Python.
 
 * ``piece_kib``: the bytes a fetch reads and hashes at a time (``WorkerL3.fetch_piece_bytes``;
   default the product's ``unit_fetch.PIECE_BYTES``).
@@ -44,9 +50,11 @@ GB/s figures are the best of ``--reps`` passes. The directory should be on the d
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -334,6 +342,7 @@ class Bench:
 def _line(row: dict[str, Any]) -> str:
     s = row["stages_ms_per_unit"]
     return (
+        f"switch_ms={row.get('switch_interval_ms', 5):g} "
         f"piece_kib={row['piece_kib']} engine_loop_ms={row['engine_loop_ms']:g} "
         f"writes={row['writes']}{' held' if row['writes_held'] else ''}: "
         f"fetch {row['fetch_GBps']:.2f} GB/s, "
@@ -361,11 +370,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--engine-loop-ms", default="0,1", help="Python ms per emulated empty step")
     ap.add_argument("--writes", default="0", help="unit writes queued before each pass")
     ap.add_argument("--piece-kib", default="", help="fetch piece sizes (default: the product's)")
+    ap.add_argument(
+        "--switch-interval-ms",
+        default="",
+        help="Python's GIL switch intervals to run each scenario at, e.g. 5,0.5 "
+        "(default: the connector's l3.switch_interval_ms)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     bursts = [float(b) for b in args.engine_loop_ms.split(",")]
     writes = [int(w) for w in args.writes.split(",")]
     pieces: list[int | None] = [int(p) for p in args.piece_kib.split(",") if p] or [None]
+    intervals = [float(i) for i in args.switch_interval_ms.split(",") if i] or [None]
+    python_default = sys.getswitchinterval()
     bench = Bench(args.dir, args.unit_mb, args.units, args.threads)
     scenarios = []
     try:
@@ -377,17 +394,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if missing:
             raise SystemExit(f"{len(missing)} unit files missing after the writes")
         bench.fetch_all()  # into the page cache
-        for piece_kib in pieces:
-            for burst in bursts:
-                for w in writes:
-                    # Held: as while a request waits on storage (where the connector
-                    # has hold_writes); not held: as before it did.
-                    for held in (False, True) if w and hasattr(l3, "hold_writes") else (False,):
-                        row = bench.scenario(piece_kib, burst, w, held, args.reps, files)
-                        scenarios.append(row)
-                        print(_line(row), flush=True)
+        configured = sys.getswitchinterval()  # after the tier lowered it
+        for interval, piece_kib, burst, w in itertools.product(intervals, pieces, bursts, writes):
+            sys.setswitchinterval(configured if interval is None else interval / 1000)
+            # Held: as while a request waits on storage (where the connector has
+            # hold_writes); not held: as before it did.
+            for held in (False, True) if w and hasattr(l3, "hold_writes") else (False,):
+                row = bench.scenario(piece_kib, burst, w, held, args.reps, files)
+                row["switch_interval_ms"] = sys.getswitchinterval() * 1000
+                scenarios.append(row)
+                print(_line(row), flush=True)
     finally:
         bench.close()
+        sys.setswitchinterval(python_default)
     report: dict[str, Any] = {
         "host": platform.node(),
         "cpus": os.cpu_count(),
