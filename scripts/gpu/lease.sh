@@ -68,7 +68,7 @@ declare -A CMD=(
   [l3]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
     --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json
     vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
-      --engine-loop-ms 0,0.5 --writes 0,32 --piece-kib 1024,4096 --out /root/l3_stages.json"
+      --engine-loop-ms 0,0.5,5 --writes 0,32 --switch-interval-ms 5,0.5 --out /root/l3_stages.json"
   [decode]="vllm-draft-offload decode-overhead --shape small --reps 5 --out /root/decode_small.json
     vllm-draft-offload decode-overhead --shape small --configs idle,store --turn-prompts 0 --reps 2 \
       --time-hooks --out /root/decode_hooks_small.json
