@@ -114,6 +114,11 @@ def write_config(path: Path, shape: Shape, max_len: int) -> str:
     return str(path)
 
 
+def _layer_bytes_per_token(shape: Shape) -> int:
+    """K and V of one token in one layer, bf16."""
+    return 2 * 2 * shape["num_key_value_heads"] * shape["head_dim"]
+
+
 def kv_bytes_per_token(shape: Shape) -> int:
     """K and V, bf16, of every layer whose KV grows with the prefix: all of them, or
     with sliding windows the full-attention ones (a window layer holds at most its
@@ -121,9 +126,9 @@ def kv_bytes_per_token(shape: Shape) -> int:
     layers = shape["num_hidden_layers"]
     if has_windows(shape):
         layers = sum(kind != SLIDING for kind in shape["layer_types"])
-    return 2 * 2 * layers * shape["num_key_value_heads"] * shape["head_dim"]
+    return layers * _layer_bytes_per_token(shape)
 
 
 def page_bytes(shape: Shape) -> int:
     """One layer's page: K and V of a block, bf16."""
-    return 2 * 2 * shape["num_key_value_heads"] * shape["head_dim"] * BLOCK_SIZE
+    return _layer_bytes_per_token(shape) * BLOCK_SIZE
