@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_model_checks import kv_cache_config_with_drafts, nan_load
+from vllm_model_checks import kv_cache_config_with_drafts, load_as_mtp_proposer
 
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench.fixtures.build import META_FILE
@@ -132,7 +132,6 @@ def test_vllm_loads_every_parameter_and_builds_mamba_and_draft_groups(
     from safetensors.torch import load_file
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-    from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
@@ -142,12 +141,7 @@ def test_vllm_loads_every_parameter_and_builds_mamba_and_draft_groups(
     cfg = _engine_config(fixture_dir, block)
     weights = load_file(fixture_dir / "model.safetensors")
     with set_current_vllm_config(cfg):
-        target = initialize_model(cfg)
-        target_layers = set(get_layers_from_vllm_config(cfg, AttentionLayerBase))
-        assert nan_load(target, weights) == []
-        # as vLLM's MTP proposer loads the drafter: the target's config, the draft's model
-        draft = initialize_model(cfg, model_config=cfg.speculative_config.draft_model_config)
-        assert nan_load(draft, weights) == []
+        target_layers = load_as_mtp_proposer(cfg, weights)
         # as the executor does after loading: the recorded block size holds a state,
         # so vLLM keeps it and makes it the Mamba block size
         current_platform.update_block_size_for_backend(cfg)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_model_checks import kv_cache_config_with_drafts, nan_load
+from vllm_model_checks import kv_cache_config_with_drafts, load_as_mtp_proposer
 
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench.fixtures.build import META_FILE, build_fixtures, resolve_preset
@@ -199,7 +199,6 @@ def test_vllm_loads_target_and_mtp_and_finds_the_draft_layers(
     from safetensors.torch import load_file
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-    from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     from vllm_draft_offload.geometry import build_unit_layout, successor_tokens_needed
@@ -210,12 +209,7 @@ def test_vllm_loads_target_and_mtp_and_finds_the_draft_layers(
     n = _meta(d)["shape"]["num_layers"]
     weights = load_file(d / "model.safetensors")
     with set_current_vllm_config(cfg):
-        target = initialize_model(cfg)
-        target_layers = set(get_layers_from_vllm_config(cfg, AttentionLayerBase))
-        assert nan_load(target, weights) == []
-        # as vLLM's MTP proposer loads the drafter: the target's config, the draft's model
-        draft = initialize_model(cfg, model_config=cfg.speculative_config.draft_model_config)
-        assert nan_load(draft, weights) == []
+        target_layers = load_as_mtp_proposer(cfg, weights)
         layers = get_layers_from_vllm_config(cfg, AttentionLayerBase)
         # the proposer marks every attention layer the drafter added (and the model
         # runner the layer's spec) as draft

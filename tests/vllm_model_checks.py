@@ -17,6 +17,23 @@ def nan_load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> list[s
     return sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
 
 
+def load_as_mtp_proposer(cfg: Any, weights: dict[str, torch.Tensor]) -> set[str]:
+    """Load the target, then the drafter as vLLM's MTP proposer does (the target's
+    config, the draft's model), asserting each left no parameter unset; the target's
+    attention layer names (the drafter's are the ones added after). Call it inside
+    ``set_current_vllm_config(cfg)``."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    target = initialize_model(cfg)
+    target_layers = set(get_layers_from_vllm_config(cfg, AttentionLayerBase))
+    assert nan_load(target, weights) == []
+    draft = initialize_model(cfg, model_config=cfg.speculative_config.draft_model_config)
+    assert nan_load(draft, weights) == []
+    return target_layers
+
+
 def kv_cache_config_with_drafts(
     cfg: Any, layers: dict[str, Any], draft_names: set[str]
 ) -> tuple[Any, dict[str, Any]]:
