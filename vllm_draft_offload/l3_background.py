@@ -4,7 +4,7 @@ A request that stops waiting on storage (declined because the engine's speed is 
 known yet, or out of its wait allowance before its lookup answered) leaves its lookup
 here. When the lookup answers, the units found are reported as in storage (so they
 are not written again), and while the storage has no recent timing the first of them
-(one per read thread: a round, l3_prefetch.FetchRound) are fetched as a probe that no
+(one per read thread: a round, l3_fetches.py) are fetched as a probe that no
 request waits for: it times the storage for later requests and lands in the CPU tier.
 One such probe runs at a time.
 """
