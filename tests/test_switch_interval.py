@@ -51,6 +51,12 @@ def test_a_bad_value_names_the_field(bad: object) -> None:
         )
 
 
-def test_null_leaves_python_alone() -> None:
-    config = parse_config({"cpu_bytes_to_use": 1 << 24, "l3": {"switch_interval_ms": None}})
-    assert config.l3.switch_interval_ms is None
+@pytest.mark.usefixtures("python_interval")
+def test_null_leaves_python_alone(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    l3 = {"enabled": True, "switch_interval_ms": None}
+    eng = l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}", extra_config={"l3": l3})
+    try:
+        assert eng.worker.worker.l3 is not None  # the tier is on
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        eng.worker.shutdown()
