@@ -59,3 +59,18 @@ def test_ranks_reporting_different_successors_fail_the_fetch() -> None:
         lambda j, r: done.append(r),
     )
     assert done[0].failed and done[0].cause == "rank_mismatch"
+
+
+def test_fetch_timings_of_several_ranks_are_the_slowest_ranks() -> None:
+    """A unit is in when every rank's part landed: its times, and a round's, are the
+    slowest rank's (vLLM's KVOutputAggregator folds the ranks' metadata pairwise)."""
+    rank0 = DraftOffloadWorkerMetadata(
+        completed_jobs={3: 1}, fetch_seconds={3: 0.02}, fetch_since_queued={3: 0.05}
+    )
+    rank1 = DraftOffloadWorkerMetadata(
+        completed_jobs={3: 1}, fetch_seconds={3: 0.03}, fetch_since_queued={3: 0.04}
+    )
+    merged = rank0.aggregate(rank1)
+    assert merged.completed_jobs == {3: 2}
+    assert merged.fetch_seconds == {3: 0.03} and merged.fetch_since_queued == {3: 0.05}
+    assert rank1.aggregate(rank0).fetch_since_queued == {3: 0.05}

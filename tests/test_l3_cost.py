@@ -382,6 +382,37 @@ def test_storage_that_one_read_saturates_is_priced_by_a_round(
     eng.worker.shutdown()
 
 
+def test_an_abandoned_probe_is_timed_by_the_workers_not_by_the_next_step(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Seen on an H100 after a warm restart: the probe round (8 units of 37.7 MB from the
+    page cache) landed in about 30 ms, just past its 22 ms allowance, so the request
+    recomputed. The scheduler heard of the landings only after that 0.7 s prefill step,
+    timed the round at 0.7 s, priced 64 units at 5.5 s, and looked up no later hit. A
+    round is timed from when the workers queued its reads to when the last one landed:
+    the engine's step in between is not the storage's."""
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "cost", io_threads=4)
+    read_s = 0.06  # 4 parallel reads land in 60 ms: past the ~40 ms allowance
+    throttle(eng.worker.worker.l3.store, get=read_s)
+    l3 = eng.scheduler.connector.scheduler.l3
+    first = _serve(eng, "first", prompts[0])  # recomputes for ~0.8 s in one step
+    assert first["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}, _decisions(eng)
+    assert l3.log.recent[-1].probe == "abandoned with 0/4 landed", _decisions(eng)
+    deadline = time.monotonic() + 10
+    while l3.fetches.units:
+        assert time.monotonic() < deadline, _decisions(eng)
+        eng.step()
+        time.sleep(0.005)
+    # 4 reads at once in ~60 ms: 8 units in ~2 x 60 ms, far below the ~0.8 s recompute
+    assert l3.cost.storage.load_s(PROMPT_CHUNKS) < 4 * read_s, _decisions(eng)
+    second = _serve(eng, "second", prompts[1])
+    assert eng.external_hits["second"] == PROMPT_CHUNKS * CHUNK, _decisions(eng)
+    assert second["chunks"]["load/l3"] == PROMPT_CHUNKS
+    eng.worker.shutdown()
+
+
 def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     """Storage unmeasured, engine speed measured: the first hit probes one round (a unit
     per read thread), which lands within its allowance, then loads the rest; the next

@@ -7,7 +7,11 @@ A round is the fetches sent together. Once all of them landed, the round's time 
 its size is the pace the storage sustains with that many reads in flight: a disk
 bounded by bandwidth reads k units at once in k times one unit's time, not in one.
 Only rounds of at least one unit per read thread are timed: a couple of units would
-price a long fetch at one unit's latency each.
+price a long fetch at one unit's latency each. The round's time is the workers' own,
+from queueing its reads to the last landing (slowest rank): the scheduler hears of a
+landing only after the engine step it happened in, and a round abandoned to a long
+prefill would otherwise be timed by that prefill (5.5 s priced for 64 units that the
+page cache gives in about 0.3 s, seen on an H100).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class FetchRound:
     sent: float
     size: int
     pending: set[int]
+    # the slowest of its landed units, by the workers' clocks (None: one was not timed)
+    slowest_s: float | None = 0.0
 
 
 class FetchBook:
@@ -42,6 +48,8 @@ class FetchBook:
         self.units: dict[int, tuple[str | None, UnitId]] = {}
         self._unsent: list[FetchJob] = []
         self._rounds: dict[int, FetchRound] = {}
+        # fetch job id -> seconds from a worker queueing it to its landing (slowest rank)
+        self._since_queued: dict[int, float] = {}
 
     def reserve(self, req_id: str | None, chunk_keys: Sequence[bytes]) -> list[int]:
         """Reserve fetches of `chunk_keys` in order, for the request (None: for nobody),
@@ -71,18 +79,29 @@ class FetchBook:
         for job_id in job_ids:
             self.units[job_id] = (None, self.units[job_id][1])
 
+    def landed_after(self, job_id: int, seconds: float) -> None:
+        """A worker's fetch of the job landed `seconds` after that worker queued it."""
+        self._since_queued[job_id] = max(seconds, self._since_queued.get(job_id, 0.0))
+
     def finished(self, job_id: int, landed: bool) -> tuple[str | None, UnitId]:
         """Every worker answered the fetch: who it was for and its placeholder. The last
         of a round whose every unit landed times the storage's pace; a round with a
         unit that did not land says nothing about speed."""
         owner = self.units.pop(job_id)
+        since_queued = self._since_queued.pop(job_id, None)
         fetch_round = self._rounds.pop(job_id, None)
         if fetch_round is not None:
             fetch_round.pending.discard(job_id)
+            if since_queued is None or fetch_round.slowest_s is None:
+                fetch_round.slowest_s = None
+            else:
+                fetch_round.slowest_s = max(fetch_round.slowest_s, since_queued)
             if not landed:
                 for other in fetch_round.pending:
                     del self._rounds[other]
             elif not fetch_round.pending:
-                elapsed = time.monotonic() - fetch_round.sent
+                elapsed = fetch_round.slowest_s
+                if elapsed is None:  # untimed by a worker: the scheduler's clock
+                    elapsed = time.monotonic() - fetch_round.sent
                 self.storage.observe_pace(elapsed / fetch_round.size, fetch_round.size)
         return owner

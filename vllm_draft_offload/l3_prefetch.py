@@ -440,9 +440,13 @@ class L3Prefetch:
     def take_fetch_jobs(self) -> list[FetchJob]:
         return self.fetches.take_unsent()
 
-    def fetch_timing(self, seconds: float) -> None:
-        """One rank's fetch of one unit took `seconds` (read, decode, copy)."""
-        self.cost.storage.observe_fetch(seconds)
+    def fetch_timings(self, seconds: dict[int, float], since_queued: dict[int, float]) -> None:
+        """Fetch jobs' times on the workers: the read, decode and copy of each unit, and
+        from queueing it to its landing (what times a round)."""
+        for unit_s in seconds.values():
+            self.cost.storage.observe_fetch(unit_s)
+        for job_id, landed_s in since_queued.items():
+            self.fetches.landed_after(job_id, landed_s)
 
     def fetch_finished(self, job_id: int, successors: list[int] | None, cause: str | None) -> None:
         """All workers answered a fetch: publish the unit, or drop it and say why."""

@@ -100,6 +100,9 @@ class FetchResult:
     layer_checksums: tuple[str, ...] = ()
     # Wall time of the read, decode and copy into the slot (feeds the cost model).
     seconds: float = 0.0
+    # From the moment the fetch was queued on this worker to its landing: the storage's
+    # time for a round (engine steps between do not count, as they do for the scheduler).
+    since_queued: float = 0.0
 
 
 def lower_switch_interval(seconds: float) -> None:
@@ -337,9 +340,9 @@ class WorkerL3:
         if self.store is None:
             self.fetches_done.put(FetchResult(job_id, slot, None, "l3_unavailable"))
             return
-        self._read_pool.submit(self._fetch, job_id, slot, chunk_key)
+        self._read_pool.submit(self._fetch, job_id, slot, chunk_key, time.perf_counter())
 
-    def _fetch(self, job_id: int, slot: int, chunk_key: bytes) -> None:
+    def _fetch(self, job_id: int, slot: int, chunk_key: bytes, queued: float) -> None:
         assert self.store is not None
         started = time.perf_counter()
         expected = ExpectedUnit(
@@ -370,6 +373,7 @@ class WorkerL3:
                     tuple(header.successor_tokens),
                     layer_checksums=tuple(entry.checksum for entry in header.layers),
                     seconds=time.perf_counter() - started,
+                    since_queued=time.perf_counter() - queued,
                 )
             )
         except UnitRejected as exc:

@@ -109,6 +109,8 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     fetched_successors: dict[int, list[int]] = field(default_factory=dict)
     # Fetch job -> seconds the read, decode and copy took (slowest rank).
     fetch_seconds: dict[int, float] = field(default_factory=dict)
+    # Fetch job -> seconds from the worker queueing it to its landing (slowest rank).
+    fetch_since_queued: dict[int, float] = field(default_factory=dict)
     # Failed job -> why (a refusal or fallback cause).
     failure_causes: dict[int, str] = field(default_factory=dict)
     # Compare job -> {"draft"|"target": layers that differ from the recomputed KV}.
@@ -135,6 +137,7 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             dict(self.failed_jobs),
             dict(self.fetched_successors),
             dict(self.fetch_seconds),
+            dict(self.fetch_since_queued),
             dict(self.failure_causes),
             {
                 job: {part: list(names) for part, names in parts.items()}
@@ -157,8 +160,12 @@ class DraftOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             if merged.fetched_successors.setdefault(job_id, successors) != successors:
                 # Ranks read different variants: the unit cannot be trusted.
                 merged.failure_causes[job_id] = "rank_mismatch"
-        for job_id, seconds in other.fetch_seconds.items():
-            merged.fetch_seconds[job_id] = max(seconds, merged.fetch_seconds.get(job_id, 0.0))
+        for timings, theirs in (
+            (merged.fetch_seconds, other.fetch_seconds),
+            (merged.fetch_since_queued, other.fetch_since_queued),
+        ):
+            for job_id, seconds in theirs.items():
+                timings[job_id] = max(seconds, timings.get(job_id, 0.0))
         for job_id, cause in other.failure_causes.items():
             merged.failure_causes.setdefault(job_id, cause)
         for job_id, parts in other.audit_mismatch_layers.items():

@@ -473,8 +473,7 @@ class DraftOffloadScheduler:
         if self.l3_writes is not None:
             self.l3_writes.on_output(meta)
         if self.l3 is not None:
-            for seconds in meta.fetch_seconds.values():
-                self.l3.fetch_timing(seconds)
+            self.l3.fetch_timings(meta.fetch_seconds, meta.fetch_since_queued)
         self.jobs.apply(meta, self._complete)
 
     def _complete(self, job_id: int, record: JobRecord) -> None:

@@ -89,6 +89,7 @@ class L3Link:
             meta.completed_jobs[result.job_id] = 1
             meta.fetched_successors[result.job_id] = list(result.successors)
             meta.fetch_seconds[result.job_id] = result.seconds
+            meta.fetch_since_queued[result.job_id] = result.since_queued
             self.stats.record_transfer(
                 "load",
                 "l3",
