@@ -26,6 +26,16 @@ def test_lease_script_parses_and_lists_its_phases() -> None:
     assert usage.returncode == 2
     for phase in ("fixtures", "fx", "accept", "l3", "hybrid-speed", "soak", "chain", "await"):
         assert f"#   {phase}" in usage.stdout, phase
+    assert "#   reap" in usage.stdout
+
+
+def test_reap_runs_anywhere_and_chain_reaps_after_every_phase() -> None:
+    """`reap` (kill GPU processes a phase left behind) needs no set-up and no GPU; a
+    chain runs it after each phase, before the phase's done mark."""
+    assert _run("reap").returncode == 0
+    text = LEASE.read_text()
+    assert "bash $SELF reap >> $L/$p.log" in text
+    assert text.index("bash $SELF reap >> $L/$p.log") < text.index("echo $p-done >> $L/$p.log")
 
 
 @pytest.mark.skipif(Path("/root/proj/bin/vllm-draft-offload").exists(), reason="set up here")

@@ -9,6 +9,8 @@
 #             32k prompts), JOBS=6 in the background: /root/acc-*
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
 #   pressure  the pressure run with per-token margins: /root/pressure
+#   pressure-l3  the same with a CPU tier of 0.1 x the working set and l3.hit_policy
+#             always, so that storage serves what the CPU tier dropped: /root/pressure-l3
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart,
 #             then l3-stages (the fetch path's stages against a plain read)
 #   hybrid-speed  restore-speed at the gpt-oss-20b-like shape (sliding windows, 16k
@@ -24,6 +26,7 @@
 #   await P [S]  wait (at most S s, default 540) until phase P's log says "P-done",
 #             then collect; exits 3 at once on a machine that is not set up (it went
 #             back and a bare one answered: stage again)
+#   reap      kill GPU processes left alive (chain runs it after every phase)
 #   poll [N]  the last N lines of every log, and the GPU's use
 #   collect   logs, fixture indexes, tables and results as one tarball in $OUT (lease.tgz,
 #             or 15 MiB pieces lease.tgz.00, .01, ...: cat lease.tgz.* | tar -xzf -)
@@ -65,6 +68,8 @@ declare -A CMD=(
   [fx]="bash scripts/gpu/fixtures.sh /root/fx --only target"
   [serve]="vllm-draft-offload serve-bench --fixtures /root/fx --out /root/serve"
   [pressure]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure"
+  [pressure-l3]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure-l3 \
+    --cpu-fraction 0.1 --l3-hit-policy always"
   [l3]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
     --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json
     vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
@@ -84,7 +89,7 @@ declare -A CMD=(
 
 phase=${1:-}
 case "$phase" in
-poll|collect|"") ;;
+poll|collect|reap|"") ;;
 *) set_up || { echo "lease.sh: not set up on this machine (a bare one?): stage, setup.sh" >&2; exit 3; } ;;
 esac
 
@@ -94,7 +99,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|accept|serve|pressure|l3|decode|soak|hybrid|hybrid-speed)
+fx|accept|serve|pressure|pressure-l3|l3|decode|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -102,7 +107,10 @@ chain)
   script=""
   for p in "$@"; do
     [ -n "${CMD[$p]:-}" ] || { echo "lease.sh chain: no phase $p" >&2; exit 2; }
-    script+="{ ${CMD[$p]}; } > $L/$p.log 2>&1; echo $p-done >> $L/$p.log
+    # a phase's engines left on the GPU would stop the next phase's from starting
+    # (session 8: six pressure engines held 7.8 GB, and vllm serve refused to start)
+    script+="{ ${CMD[$p]}; } > $L/$p.log 2>&1; bash $SELF reap >> $L/$p.log 2>&1
+echo $p-done >> $L/$p.log
 "
   done
   bg chain "$script"
@@ -115,6 +123,12 @@ await)
   done
   tail -n 5 "$L/$p.log" 2>/dev/null
   [ -n "${OUT:-}" ] && bash "$SELF" collect > /dev/null ;;
+reap)
+  # GPU processes still alive between phases: logged, then killed
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    echo "reap: killing GPU process $pid left behind: $(ps -o args= -p "$pid" | cut -c1-120)"
+    kill -9 "$pid" 2>/dev/null
+  done ;;
 poll)
   for f in "$L"/*.log; do echo "== $f"; tail -n "${2:-3}" "$f"; done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
@@ -137,6 +151,8 @@ collect)
   done
   [ -d /root/serve ] && cp -r /root/serve "$C"/
   [ -f /root/pressure/pressure.json ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$C"/
+  [ -f /root/pressure-l3/pressure.json ] && mkdir -p "$C/pressure-l3" &&
+    cp /root/pressure-l3/pressure.json /root/pressure-l3/pressure.md "$C/pressure-l3"/
   cp /root/restore_speed_*.json /root/l3_stages.json /root/decode_*.json "$C"/ 2>/dev/null
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
   tar -czf /root/lease.tgz -C /root collect

@@ -40,11 +40,9 @@ Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -68,6 +66,7 @@ from vllm_draft_offload.bench.accept.restart import (
 )
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Environment, RunConfig
 from vllm_draft_offload.bench.options import command_parser
+from vllm_draft_offload.bench.procs import kill_group, reap_group
 
 EXAMPLES = """examples:
   # parity of vLLM's OffloadingConnector with an EAGLE head (fixtures from `fixtures`)
@@ -153,16 +152,11 @@ def run_engine_subprocess(
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         out, _ = proc.communicate()
         return 124, f"timeout after {timeout_s}s\n{(out or '')[-4000:]}", out or ""
-    _kill_group(proc.pid)  # engine processes the child left behind hold GPU memory
+    reap_group(proc.pid)  # engine processes the child left behind hold GPU memory
     return proc.returncode, (out or "")[-8000:], out or ""
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def finish_result(

@@ -12,12 +12,10 @@ See docs/benchmark.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ from typing import Any
 
 from vllm_draft_offload.bench import PACKAGE_PARENT
 from vllm_draft_offload.bench.options import command_parser
+from vllm_draft_offload.bench.procs import LEAVE_GRACE_S, kill_group, reap_group
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.workloads.report import write_report
 from vllm_draft_offload.bench.workloads.specs import (
@@ -189,10 +188,15 @@ def child_env(dry_run: bool, extra: dict[str, str]) -> dict[str, str]:
 
 
 def run_subprocess(
-    cmd: list[str], env: dict[str, str], log: Path, timeout: float
+    cmd: list[str],
+    env: dict[str, str],
+    log: Path,
+    timeout: float,
+    leave_grace_s: float = LEAVE_GRACE_S,
 ) -> tuple[int, float]:
-    """Run ``cmd`` in its own process group; on timeout (or Ctrl-C) kill the whole group,
-    so vLLM's EngineCore/worker children do not outlive it holding GPU memory."""
+    """Run ``cmd`` in its own process group. On timeout (or Ctrl-C) kill the whole group;
+    after a normal exit, reap what of it is left (``procs.reap_group``), so vLLM's
+    EngineCore/worker children never outlive the run holding GPU memory."""
     t0 = time.perf_counter()
     with log.open("ab") as fh:
         proc = subprocess.Popen(
@@ -201,18 +205,16 @@ def run_subprocess(
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc.pid)
+            proc.wait()
             rc = -9
         except BaseException:
-            _kill_group(proc)
+            kill_group(proc.pid)
+            proc.wait()
             raise
+        if reap_group(proc.pid, leave_grace_s):
+            fh.write(b"\n[run] killed engine processes left behind by the run\n")
     return rc, time.perf_counter() - t0
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this script created for it
-    proc.wait()
 
 
 def measure_memcpy(out: Path, gib: float, dry_run: bool, timeout: float) -> dict[str, Any]:
