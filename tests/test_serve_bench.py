@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -170,6 +171,61 @@ def test_print_commands(fixture_dir: Path, capsys: pytest.CaptureFixture[str]) -
     assert bench[bench.index("--result-dir") + 1] == f"{out}/none"
 
 
+# ------------------------------------------------------------------------ probe
+
+
+def test_probe_prompt_has_the_workload_shape_and_its_own_prefix(fixture_dir: Path) -> None:
+    """The probe request's prompt is built by vLLM's own sampler with the fixture's
+    tokenizer, as long as the workload's, from a prefix none of its requests share."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    shape = ["--prefix-len", "256", "--suffix-len", "16", "--num-prefixes", "2"]
+    plan = _plan(fixture_dir, *shape, "--num-prompts", "4", "--output-len", "4",
+                 "--gpu-kv-tokens", "384")  # fmt: skip
+    tokenizer = get_tokenizer(str(plan.target))
+    ids = tokenizer.encode(serve_run.probe_prompt(plan), add_special_tokens=False)
+    assert len(ids) == 272
+    workload = PrefixRepetitionRandomDataset(random_seed=plan.seed).sample(
+        tokenizer, num_requests=4, prefix_len=256, suffix_len=16, num_prefixes=2, output_len=4
+    )
+    prefixes = {tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:256]) for r in workload}
+    assert len(prefixes) == 2 and tuple(ids[:256]) not in prefixes
+
+
+class _Refuses(BaseHTTPRequestHandler):
+    """Answers as vLLM's API server does when it refuses a request."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        message = "The decoder prompt (length 4353) is longer than the maximum model length"
+        body = json.dumps({"error": {"message": message, "code": 400}}).encode()
+        self.send_response(400, "Bad Request")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_refused_probe_names_the_servers_reason(fixture_dir: Path) -> None:
+    """`vllm bench serve` reports a refused request by its HTTP reason only ("Bad
+    Request" for all 256 in session 8): the probe before it raises with the server's
+    own error text, which becomes the run's error."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refuses)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        plan = replace(_plan(fixture_dir), port=server.server_address[1])
+        with pytest.raises(RuntimeError, match=r"HTTP 400 Bad Request: .*length 4353"):
+            serve_run.probe_request(plan, "w1 w2", timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(RuntimeError, match="got no answer"):
+        serve_run.probe_request(replace(plan, port=9), "w1 w2", timeout_s=5)
+
+
 # ------------------------------------------------------------------------ scraping
 
 
@@ -270,7 +326,7 @@ def test_report_from_a_recorded_cpu_run(tmp_path: Path, capsys: pytest.CaptureFi
         bench["spec_decode_acceptance_length"]
     )
     assert ours["kv_cache_tokens"] == 726 and ours["startup_s"] > 0
-    assert result["same_outputs"] == {"equal": 12, "of": 12}
+    assert result["same_outputs"] == {"equal": 12, "of": 12, "requests": 12}
     table = (out / "serve_bench.md").read_text()
     assert table in capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("| TTFT p50"))
@@ -282,6 +338,40 @@ def test_report_from_a_recorded_cpu_run(tmp_path: Path, capsys: pytest.CaptureFi
     assert "| external prefix-cache hit tokens | 0 | 1,784 | — |" in table
     assert "| connector hit chunks / looked up (cpu) | 0 / 0 | 29 / 45 | — |" in table
     assert "Identical generated text in both runs: 12 of 12." in table
+
+
+def _mark_failed(bench_json: Path, requests: range) -> None:
+    """Turn requests of a recorded run into failures, as `vllm bench serve` records them."""
+    bench = json.loads(bench_json.read_text())
+    n = len(bench["generated_texts"])
+    bench["errors"] = ["Bad Request" if i in requests else "" for i in range(n)]
+    for i in requests:
+        bench["generated_texts"][i] = ""
+    bench["failed"], bench["completed"] = len(requests), n - len(requests)
+    bench_json.write_text(json.dumps(bench))
+
+
+def test_failed_requests_are_reported_and_not_compared(tmp_path: Path) -> None:
+    """Requests the server refused count neither as identical outputs nor as a clean
+    run: in session 8 every request failed in both runs, and the report said "Identical
+    generated text in both runs: 256 of 256" with exit code 0."""
+    out = tmp_path / "serve"
+    shutil.copytree(RECORDED, out)
+    _mark_failed(out / "none" / "bench.json", range(3))
+    argv = ["--fixtures", str(tmp_path / "gone"), "--out", str(out), "--report-only"]
+    assert serve_run.main(argv) == 1
+    table = (out / "serve_bench.md").read_text()
+    assert "**none: 3 of 12 requests failed** (3 × Bad Request)" in table
+    assert (
+        "Identical generated text in both runs: 9 of 9 requests that succeeded in both "
+        "(of 12)." in table
+    )
+    _mark_failed(out / "none" / "bench.json", range(12))
+    _mark_failed(out / "ours_cpu" / "bench.json", range(12))
+    assert serve_run.main(argv) == 1
+    table = (out / "serve_bench.md").read_text()
+    assert "No request succeeded in both runs" in table and "Identical" not in table
+    assert "**ours_cpu: 12 of 12 requests failed** (12 × Bad Request)" in table
 
 
 def test_a_failed_run_is_reported_not_hidden() -> None:

@@ -111,6 +111,7 @@ def summarize_run(bench: dict[str, Any], scrapes: Scrapes, server_log: str) -> d
     """One run: the bench client's latencies and throughput, the server's counters."""
     return {
         "bench": {k: bench.get(k) for k in BENCH_FIELDS},
+        "request_errors": request_errors(bench),
         "counters": counters(scrapes),
         "kv_cache_tokens": kv_cache_tokens(server_log),
         "scrapes": len(scrapes.times),
@@ -118,13 +119,26 @@ def summarize_run(bench: dict[str, Any], scrapes: Scrapes, server_log: str) -> d
     }
 
 
+def request_errors(bench: dict[str, Any]) -> dict[str, int]:
+    """The failed requests' errors, each with how many requests it failed."""
+    counts: dict[str, int] = {}
+    for error in bench.get("errors") or []:
+        if error:
+            counts[error] = counts.get(error, 0) + 1
+    return counts
+
+
 def same_outputs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, int] | None:
     """How many requests generated the same text in both runs (both ran greedy on the
-    same shuffled prompts, from ``--save-detailed`` results)."""
+    same shuffled prompts, from ``--save-detailed`` results), among those that succeeded
+    in both: a request that failed in both has two empty texts, which prove nothing."""
     ta, tb = a.get("generated_texts"), b.get("generated_texts")
     if not ta or not tb or len(ta) != len(tb):
         return None
-    return {"equal": sum(x == y for x, y in zip(ta, tb, strict=True)), "of": len(ta)}
+    ea = a.get("errors") or [""] * len(ta)
+    eb = b.get("errors") or [""] * len(tb)
+    both = [i for i in range(len(ta)) if not ea[i] and not eb[i]]
+    return {"equal": sum(ta[i] == tb[i] for i in both), "of": len(both), "requests": len(ta)}
 
 
 # ------------------------------------------------------------------------ markdown
@@ -194,6 +208,14 @@ def markdown(result: dict[str, Any]) -> str:
     failed = {k: v.get("error") for k, v in result["runs"].items() if "bench" not in v}
     for name, error in failed.items():
         lines.append(f"**{name} failed:** {error}")
+    for name, run in runs.items():
+        if run["bench"].get("failed"):
+            errors = "; ".join(f"{n} × {e}" for e, n in run.get("request_errors", {}).items())
+            lines.append(
+                f"**{name}: {run['bench']['failed']} of "
+                f"{run['bench']['failed'] + (run['bench'].get('completed') or 0)} requests "
+                f"failed** ({errors or 'no error text'}): its figures cover the rest only."
+            )
     if not runs:
         return "\n".join(lines) + "\n"
     names = list(runs)
@@ -210,8 +232,15 @@ def markdown(result: dict[str, Any]) -> str:
             cells.append(_fmt(ratio, 2))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     same = result.get("same_outputs")
-    if same:
-        lines += ["", f"Identical generated text in both runs: {same['equal']} of {same['of']}."]
+    if same and same["of"]:
+        lines += ["", f"Identical generated text in both runs: {same['equal']} of {same['of']}"]
+        lines[-1] += (
+            "."
+            if same["of"] == same.get("requests", same["of"])
+            else f" requests that succeeded in both (of {same['requests']})."
+        )
+    elif same:
+        lines += ["", "No request succeeded in both runs: their texts were not compared."]
     return "\n".join(lines) + "\n"
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_draft_offload.bench.options import add_eager_or_compile, command_parser
+from vllm_draft_offload.bench.procs import reap_group
 from vllm_draft_offload.bench.serve.plan import (
     CPU_WORKLOAD,
     GPU_WORKLOAD,
@@ -202,20 +203,52 @@ def stop_server(proc: subprocess.Popen[bytes]) -> float:
                     continue
     # vLLM's engine-core process leaves with its parent: give it a moment, then take
     # whatever of the group is left (it would hold the GPU's memory for the next run)
-    deadline = time.monotonic() + 10.0
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _group_alive(proc.pid):
-        os.killpg(proc.pid, signal.SIGKILL)
+    reap_group(proc.pid)
     return time.monotonic() - started
 
 
-def _group_alive(pgid: int) -> bool:
+def probe_prompt(plan: ServePlan) -> str:
+    """One prompt of the workload's shape, built as ``vllm bench serve`` builds its own
+    (vLLM's prefix_repetition sampler and the fixture's tokenizer), from another seed so
+    that its prefix is none of the workload's."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    w = plan.workload
+    (request,) = PrefixRepetitionRandomDataset(random_seed=plan.seed + 1).sample(
+        get_tokenizer(str(plan.target)), num_requests=1, prefix_len=w.prefix_len,
+        suffix_len=w.suffix_len, num_prefixes=1, output_len=w.output_len,
+    )  # fmt: skip
+    return str(request.prompt)
+
+
+def probe_request(plan: ServePlan, prompt: str, timeout_s: float) -> float:
+    """Send one request as the bench client does (``/v1/completions``, streamed, greedy,
+    ``ignore_eos``) before the benchmark. The client reports a refused request only by
+    its HTTP reason ("Bad Request", 256 times in session 8 on an H100); this raises
+    with the server's own error text instead. Seconds it took."""
+    payload = {
+        "model": str(plan.target), "prompt": prompt, "max_tokens": plan.workload.output_len,
+        "temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    req = urllib.request.Request(
+        f"{plan.base_url}/v1/completions", data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    started = time.monotonic()
     try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            resp.read()
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace").strip()
+        raise RuntimeError(
+            f"the server refused a request of the workload's shape: HTTP {e.code} "
+            f"{e.reason}: {body[:2000]}"
+        ) from e
+    except (urllib.error.URLError, OSError) as e:
+        raise RuntimeError(f"a request of the workload's shape got no answer: {e}") from e
+    return time.monotonic() - started
 
 
 def run_one(plan: ServePlan, run: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -231,6 +264,7 @@ def run_one(plan: ServePlan, run: str, out: Path, args: argparse.Namespace) -> d
     )
     env = child_env(args.dry_run_cpu)
     info: dict[str, Any] = {"port": plan.port}
+    prompt = probe_prompt(plan)
     with (out / "server.log").open("wb") as log:
         server = subprocess.Popen(
             server_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -240,6 +274,8 @@ def run_one(plan: ServePlan, run: str, out: Path, args: argparse.Namespace) -> d
             info["startup_s"] = wait_healthy(
                 f"{plan.base_url}/health", server, args.startup_timeout
             )
+            # before the first scrape: the counters' increase leaves the probe out
+            info["probe_s"] = probe_request(plan, prompt, args.bench_timeout)
             scraper = Scraper(
                 f"{plan.base_url}/metrics", out / "metrics.prom", args.scrape_interval
             )
@@ -338,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(result)
     (args.out / "serve_bench.md").write_text(table)
     print(table)
-    return 0 if all("error" not in r for r in result["runs"].values()) else 1
+    ok = all("error" not in r and not r["bench"].get("failed") for r in result["runs"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
