@@ -476,3 +476,32 @@ def test_top_margins_from_vllm_logprobs() -> None:
         {1: Logprob(0.0, rank=1)},
     ]
     assert top_margins(positions) == [2.5, 0.01, None]
+
+
+def test_pressure_can_make_storage_serve_what_the_cpu_tier_dropped() -> None:
+    """Session 8 (H100): with the CPU tier at half the working set and the cost policy,
+    storage served 1,024 of about a million restored tokens, so the run said little
+    about storage restores under pressure. `--l3-hit-policy always` (with a small
+    `--cpu-fraction`) sets the connector's policy, which its own config parser takes."""
+    from vllm_draft_offload.bench.stress.jobs import EngineShape, build_kwargs
+    from vllm_draft_offload.bench.stress.pressure import parse_args
+    from vllm_draft_offload.bench.workloads.specs import Drafter
+    from vllm_draft_offload.config import parse_config
+
+    args = parse_args(["--cpu-fraction", "0.1", "--l3-hit-policy", "always"])
+    shape = EngineShape(
+        model="/m", drafter=Drafter("eagle3", "/d"), block_size=16, chunk_size=256,
+        num_spec_tokens=3, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.5,
+        max_num_seqs=8, max_num_batched_tokens=None, max_model_len=2048, gpu_blocks=100,
+    )  # fmt: skip
+    kw = build_kwargs(
+        "ours_disk", shape, cpu_bytes=2**26, l3_url="fs:///tmp/x",
+        l3_hit_policy=args.l3_hit_policy,
+    )  # fmt: skip
+    extra = kw["kv_transfer_config"]["kv_connector_extra_config"]
+    assert parse_config(extra).l3.hit_policy == "always"
+    default = build_kwargs("ours_disk", shape, cpu_bytes=2**26, l3_url="fs:///tmp/x")
+    default_extra = default["kv_transfer_config"]["kv_connector_extra_config"]
+    assert parse_config(default_extra).l3.hit_policy == "cost"
+    with pytest.raises(SystemExit):
+        parse_args(["--l3-hit-policy", "sometimes"])

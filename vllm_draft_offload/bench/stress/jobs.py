@@ -63,6 +63,7 @@ def build_kwargs(
     l3_url: str | None = None,
     staging_mb: int = 256,
     l3_timeout_s: float = 2.0,
+    l3_hit_policy: str | None = None,
 ) -> dict[str, Any]:
     """``vllm.LLM`` kwargs of ``none`` | ``gpu_prefix`` | ``ours_cpu`` | ``ours_disk``."""
     sizes = with_overrides(
@@ -93,6 +94,8 @@ def build_kwargs(
             lm.pop("save_chunk_meta", None)  # fs:// only (its files keep the metadata)
         extra["lmcache.extra_config"] = lm
         extra["l3"] = {"enabled": True, "timeout_s": l3_timeout_s}
+        if l3_hit_policy is not None:  # else the connector's default (cost)
+            extra["l3"]["hit_policy"] = l3_hit_policy
     return kw
 
 

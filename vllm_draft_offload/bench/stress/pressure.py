@@ -71,6 +71,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cpu-fraction", type=float, default=0.5, help="CPU tier / working set")
     ap.add_argument("--l3", choices=("fs", "none"), default="fs", help="storage tier of ours")
     ap.add_argument("--l3-dir", type=Path, default=Path("/tmp/pressure-l3"))
+    ap.add_argument(
+        "--l3-hit-policy",
+        choices=("cost", "always"),
+        help="l3.hit_policy of ours (default: the connector's, cost). With a small "
+        "--cpu-fraction, `always` makes storage serve what the CPU tier dropped even "
+        "where recompute is faster: the run then checks storage restores under pressure",
+    )
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument(
         "--near-tie-nats",
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan": plan.to_dict(),
         "chunk_size": chunk,
         "l3": args.l3,
+        "l3_hit_policy": args.l3_hit_policy or "cost",
+        "cpu_fraction": args.cpu_fraction,
         "near_tie_nats": NEAR_TIE_NATS if args.near_tie_nats is None else args.near_tie_nats,
         "runs": [],
     }
@@ -165,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
                 "plan": plan.to_dict(),
                 "vocab": vocab,
                 "engine_kwargs": build_kwargs(
-                    kw_config, shape, cpu_bytes=cpu_bytes, l3_url=l3_url, staging_mb=64
+                    kw_config,
+                    shape,
+                    cpu_bytes=cpu_bytes,
+                    l3_url=l3_url,
+                    staging_mb=64,
+                    l3_hit_policy=args.l3_hit_policy,
                 ),
             }
             name = f"{role}--{drafter.method}-{Path(drafter.path).name}"

@@ -228,7 +228,13 @@ def pressure_markdown(data: dict[str, Any]) -> str:
         f"Device: {dev}; {ver}. Batch-invariant mode: {inv}.",
         f"{p['streams']} streams, {p['prefixes']} prefixes x {p['prefix_len']} tokens "
         f"({p['hot']} hot), {p['rounds']} rounds; GPU KV {p['gpu_tokens']} tokens, "
-        f"working set {p['prefixes'] * p['prefix_len']} tokens; storage tier: {data['l3']}.",
+        f"working set {p['prefixes'] * p['prefix_len']} tokens; storage tier: {data['l3']}"
+        + (
+            f" (hit policy {data['l3_hit_policy']}, CPU tier {data['cpu_fraction']} x the "
+            "working set)."
+            if "l3_hit_policy" in data  # not in results recorded before session 8
+            else "."
+        ),
         "",
         "| config | hit tokens cpu | hit tokens l3 | external hit tokens (share) "
         "| GPU prefix hits | outputs equal / total | control mismatch "
