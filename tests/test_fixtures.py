@@ -132,7 +132,11 @@ def test_target_and_drafts_reload_with_transformers(fixtures_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(fixtures_dir / "target")
-    assert len(tok) == 256 and tok.convert_tokens_to_ids("w0") == FIRST_WORD_ID
+    assert len(tok) == 256 and tok.encode("w0 w1", add_special_tokens=False) == [
+        FIRST_WORD_ID,
+        FIRST_WORD_ID + 1,
+    ]
+    assert tok.decode([FIRST_WORD_ID, FIRST_WORD_ID + 1]) == "w0 w1"
     x = torch.tensor([[BOS_ID, 10, 11, 12]])
     for name in ("target", "self-draft", "small-draft"):
         cfg = AutoConfig.from_pretrained(fixtures_dir / name)

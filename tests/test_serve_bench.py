@@ -67,6 +67,33 @@ def test_fixture_tokenizer_feeds_vllm_prefix_repetition(fixture_dir: Path) -> No
     assert len({tuple(ids[:64]) for ids in encoded}) == 2  # two shared prefixes
 
 
+def test_gpu_workload_prompts_pass_vllms_character_bound(tmp_path: Path) -> None:
+    """vLLM's server refuses a prompt of more than max_model_len x the tokenizer's
+    longest token characters, before tokenizing it. With bare words as tokens (5
+    characters, 6 in text with the space) every 4k-token prompt of the default GPU run
+    was refused ("Bad Request", session 8). The fixture tokenizer's tokens carry their
+    space: the default workload's prompts, built by vLLM's own sampler, fit the bound."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    from vllm_draft_offload.bench.fixtures.data import build_tokenizer
+    from vllm_draft_offload.bench.fixtures.models import PRESETS
+    from vllm_draft_offload.bench.serve.plan import GPU_WORKLOAD
+
+    gpu = PRESETS["gpu"]
+    build_tokenizer(gpu.corpus.vocab_size, gpu.max_position).save_pretrained(tmp_path)
+    tokenizer = get_tokenizer(str(tmp_path))
+    w = GPU_WORKLOAD
+    requests = PrefixRepetitionRandomDataset(random_seed=0).sample(
+        tokenizer, num_requests=4, prefix_len=w.prefix_len, suffix_len=w.suffix_len,
+        num_prefixes=2, output_len=w.output_len,
+    )  # fmt: skip
+    max_model_len = w.request_tokens + 3 + 64  # ServePlan.max_model_len with k=3
+    for r in requests:
+        assert len(tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len
+        assert len(r.prompt) <= max_model_len * tokenizer.max_chars_per_token
+
+
 def test_server_and_bench_command_lines_parse_in_vllm(fixture_dir: Path) -> None:
     """The exact argv of both servers and the client, read back by vLLM's own parsers:
     a misspelt flag or a wrong value fails here, not on the GPU."""
@@ -132,6 +159,8 @@ def test_cpu_defaults_and_no_spec(fixture_dir: Path) -> None:
     [
         (["--gpu-kv-tokens", str(32 * 4096)], "--gpu-kv-tokens=131072 holds all 32 prefixes"),
         (["--gpu-kv-tokens", "1024"], "smaller than one request"),
+        # 4496 tokens hold one 4483-token request, but not once vLLM kept a block back
+        (["--gpu-kv-tokens", "4496"], "less the block vLLM holds back is smaller"),
         (["--gpu-kv-tokens", "45000"], "not a multiple of --block-size=16"),
         (["--chunk-size", "40"], "--chunk-size=40 is not a multiple"),
         (["--num-prompts", "40"], "--num-prompts=40 gives a prefix fewer than 2 requests"),

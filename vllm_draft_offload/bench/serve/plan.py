@@ -124,10 +124,11 @@ class ServePlan:
                 f"--gpu-kv-tokens={self.gpu_kv_tokens} holds all {w.num_prefixes} prefixes "
                 f"({w.working_set_tokens} tokens): they would never leave the GPU"
             )
-        if self.gpu_kv_tokens < self.max_model_len:
+        if self.gpu_kv_tokens - self.block_size < self.max_model_len:
             raise ValueError(
-                f"--gpu-kv-tokens={self.gpu_kv_tokens} is smaller than one request "
-                f"({self.max_model_len} tokens with margin): vLLM refuses to start"
+                f"--gpu-kv-tokens={self.gpu_kv_tokens} less the block vLLM holds back is "
+                f"smaller than one request ({self.max_model_len} tokens with margin): "
+                "vLLM refuses to start"
             )
         if self.draft is not None and not self.spec_method:
             raise ValueError(
