@@ -16,7 +16,6 @@ page cache gives in about 0.3 s, seen on an H100).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,11 +29,10 @@ PLACEHOLDER = -1
 
 @dataclass
 class FetchRound:
-    sent: float
     size: int
     pending: set[int]
-    # the slowest of its landed units, by the workers' clocks (None: one was not timed)
-    slowest_s: float | None = 0.0
+    # the slowest of its landed units, by the workers' clocks
+    slowest_s: float = 0.0
 
 
 class FetchBook:
@@ -48,7 +46,8 @@ class FetchBook:
         self.units: dict[int, tuple[str | None, UnitId]] = {}
         self._unsent: list[FetchJob] = []
         self._rounds: dict[int, FetchRound] = {}
-        # fetch job id -> seconds from a worker queueing it to its landing (slowest rank)
+        # fetch job id -> seconds from a worker queueing it to its landing (slowest rank;
+        # every landed fetch's report carries it: worker_l3.L3Link.drain)
         self._since_queued: dict[int, float] = {}
 
     def reserve(self, req_id: str | None, chunk_keys: Sequence[bytes]) -> list[int]:
@@ -66,7 +65,7 @@ class FetchBook:
             self.units[job_id] = (req_id, placeholder)
             jobs.append(job_id)
         if len(jobs) >= self.storage.parallel:
-            fetch_round = FetchRound(time.monotonic(), len(jobs), set(jobs))
+            fetch_round = FetchRound(len(jobs), set(jobs))
             self._rounds.update(dict.fromkeys(jobs, fetch_round))
         return jobs
 
@@ -88,20 +87,16 @@ class FetchBook:
         of a round whose every unit landed times the storage's pace; a round with a
         unit that did not land says nothing about speed."""
         owner = self.units.pop(job_id)
-        since_queued = self._since_queued.pop(job_id, None)
+        since_queued = self._since_queued.pop(job_id, 0.0)
         fetch_round = self._rounds.pop(job_id, None)
         if fetch_round is not None:
             fetch_round.pending.discard(job_id)
-            if since_queued is None or fetch_round.slowest_s is None:
-                fetch_round.slowest_s = None
-            else:
-                fetch_round.slowest_s = max(fetch_round.slowest_s, since_queued)
+            fetch_round.slowest_s = max(fetch_round.slowest_s, since_queued)
             if not landed:
                 for other in fetch_round.pending:
                     del self._rounds[other]
             elif not fetch_round.pending:
-                elapsed = fetch_round.slowest_s
-                if elapsed is None:  # untimed by a worker: the scheduler's clock
-                    elapsed = time.monotonic() - fetch_round.sent
-                self.storage.observe_pace(elapsed / fetch_round.size, fetch_round.size)
+                self.storage.observe_pace(
+                    fetch_round.slowest_s / fetch_round.size, fetch_round.size
+                )
         return owner

@@ -366,14 +366,15 @@ class WorkerL3:
             if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))
                 return
+            landed = time.perf_counter()
             self.fetches_done.put(
                 FetchResult(
                     job_id,
                     slot,
                     tuple(header.successor_tokens),
                     layer_checksums=tuple(entry.checksum for entry in header.layers),
-                    seconds=time.perf_counter() - started,
-                    since_queued=time.perf_counter() - queued,
+                    seconds=landed - started,
+                    since_queued=landed - queued,
                 )
             )
         except UnitRejected as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +122,7 @@ def summarize_run(bench: dict[str, Any], scrapes: Scrapes, server_log: str) -> d
 
 def request_errors(bench: dict[str, Any]) -> dict[str, int]:
     """The failed requests' errors, each with how many requests it failed."""
-    counts: dict[str, int] = {}
-    for error in bench.get("errors") or []:
-        if error:
-            counts[error] = counts.get(error, 0) + 1
-    return counts
+    return dict(Counter(error for error in bench.get("errors") or [] if error))
 
 
 def same_outputs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, int] | None:
@@ -233,12 +230,15 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     same = result.get("same_outputs")
     if same and same["of"]:
-        lines += ["", f"Identical generated text in both runs: {same['equal']} of {same['of']}"]
-        lines[-1] += (
-            "."
-            if same["of"] == same.get("requests", same["of"])
-            else f" requests that succeeded in both (of {same['requests']})."
+        scope = (
+            ""
+            if same["of"] == same["requests"]
+            else f" requests that succeeded in both (of {same['requests']})"
         )
+        lines += [
+            "",
+            f"Identical generated text in both runs: {same['equal']} of {same['of']}{scope}.",
+        ]
     elif same:
         lines += ["", "No request succeeded in both runs: their texts were not compared."]
     return "\n".join(lines) + "\n"

@@ -251,8 +251,11 @@ def probe_request(plan: ServePlan, prompt: str, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def run_one(plan: ServePlan, run: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One server + one bench client; the timings (and error) of the run."""
+def run_one(
+    plan: ServePlan, run: str, out: Path, args: argparse.Namespace, probe: str
+) -> dict[str, Any]:
+    """One server + one bench client, after the request `probe`; the timings (and
+    error) of the run."""
     from vllm_draft_offload.bench.serve.scrape import Scraper
 
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +267,6 @@ def run_one(plan: ServePlan, run: str, out: Path, args: argparse.Namespace) -> d
     )
     env = child_env(args.dry_run_cpu)
     info: dict[str, Any] = {"port": plan.port}
-    prompt = probe_prompt(plan)
     with (out / "server.log").open("wb") as log:
         server = subprocess.Popen(
             server_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -275,7 +277,7 @@ def run_one(plan: ServePlan, run: str, out: Path, args: argparse.Namespace) -> d
                 f"{plan.base_url}/health", server, args.startup_timeout
             )
             # before the first scrape: the counters' increase leaves the probe out
-            info["probe_s"] = probe_request(plan, prompt, args.bench_timeout)
+            info["probe_s"] = probe_request(plan, probe, args.bench_timeout)
             scraper = Scraper(
                 f"{plan.base_url}/metrics", out / "metrics.prom", args.scrape_interval
             )
@@ -362,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         setup = plan.to_dict()
         files["plan"].write_text(json.dumps(setup, indent=1))
         infos = {}
+        probe = probe_prompt(plan)  # the same request for every run
         for run in progress(runs, "serve-bench", unit="server"):
-            infos[run] = run_one(plan, run, args.out / run, args)
+            infos[run] = run_one(plan, run, args.out / run, args, probe)
             print(f"[serve-bench] {run}: {json.dumps(infos[run])}", flush=True)
             files["runs_info"].write_text(json.dumps(infos, indent=1))
         # only now: collect_env initialises CUDA in this process, the servers are gone
