@@ -245,6 +245,28 @@ def test_pressure_report_on_a_recorded_cpu_run(tmp_path: Path) -> None:
     assert "outputs equal / total" in md and "control mismatch" in md
 
 
+def test_hits_by_tier_come_from_vllms_hits_by_source() -> None:
+    chunk = 256
+    counters = {
+        sr.LOADED.format("cpu"): 10.0,
+        sr.LOADED.format("l3"): 14.0,  # fetched units a small CPU tier dropped before use
+        sr.BY_SOURCE.format("host"): 512.0,
+        sr.BY_SOURCE.format("disk"): 2048.0,
+        sr.BY_SOURCE.format("device"): 4096.0,  # vLLM's own GPU prefix cache
+    }
+    hits = sr.tier_tokens(counters, chunk)
+    assert hits["hit_tokens_method"] == "by_source"
+    assert hits["hit_tokens"] == {"cpu": 512, "l3": 2048}
+    assert hits["loaded_chunk_tokens"] == {"cpu": 10 * chunk, "l3": 14 * chunk}
+    # A run recorded without them: derived from the loads, unknown where that breaks.
+    old = {k: v for k, v in counters.items() if "by_source" not in k}
+    hits = sr.tier_tokens(old, chunk)
+    assert hits["hit_tokens_method"] == "loaded_chunks"
+    assert hits["hit_tokens"] == {"cpu": None, "l3": 14 * chunk}
+    old[sr.LOADED.format("cpu")] = 20.0
+    assert sr.tier_tokens(old, chunk)["hit_tokens"] == {"cpu": 6 * chunk, "l3": 14 * chunk}
+
+
 def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path: Path) -> None:
     base = json.loads(EXAMPLE.read_text())
 
@@ -307,6 +329,13 @@ def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path
     (row,) = _pressure(tmp_path / "d", nohit)["summary"]["rows"]
     assert "no CPU-tier hits" in row["failed"]
     assert any("external hits" in f for f in row["failed"])
+    # Storage fetched more than the CPU tier restored: the loads cannot say which tier
+    # served what, and the verdict says so instead of passing on a made-up number.
+    c[sr.LOADED.format("cpu")] = c[sr.LOADED.format("l3")] - 1
+    (row,) = _pressure(tmp_path / "d2", nohit)["summary"]["rows"]
+    assert row["hits"]["hit_tokens"]["cpu"] is None
+    assert any("CPU-tier hits unknown" in f for f in row["failed"])
+    assert "| n/a |" in (tmp_path / "d2" / "out" / "pressure.md").read_text()
 
     slow = copy.deepcopy(base)
     for q in ours(slow)["requests"]:
@@ -393,6 +422,9 @@ def _soak(fx: Path, out: Path, backend: str, baseline_s: str) -> dict[str, Any]:
     assert ours["tokens_kept"] == sum(len(x["prompt"]) + len(x["output"]) for x in sample)
     assert s["hit_rate"] and {"t", "cpu", "l3", "external", "gpu"} <= set(s["hit_rate"][0])
     assert s["hits"]["external_hit_tokens"] > 0
+    # Hits by tier as vLLM counted them at admission: they add up to the external hits.
+    assert s["hits"]["hit_tokens_method"] == "by_source"
+    assert sum(s["hits"]["hit_tokens"].values()) == s["hits"]["external_hit_tokens"]
     assert s["ttft"]["ours"]["n"] == s["requests"]["total"] and s["ttft"]["ours"]["p99_s"] > 0
     assert (out / "soak.png").read_bytes()[:8] == PNG_MAGIC
     assert "| crashes | 0 |" in (out / "soak.md").read_text()

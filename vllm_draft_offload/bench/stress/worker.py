@@ -39,6 +39,7 @@ SAMPLED = (
     "vllm:prefix_cache_",
     "vllm:external_prefix_cache_",
     "vllm:spec_decode_num_",
+    "vllm:prompt_tokens_cached_by_source",
 )
 # Samples (one a second) between counts of the connector's containers (stress/state.py).
 STATE_EVERY = 10
