@@ -13,6 +13,8 @@
 #             always, so that storage serves what the CPU tier dropped: /root/pressure-l3
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart,
 #             then l3-stages (the fetch path's stages against a plain read)
+#   l3-restart  the same restore-speed alone (fill, cold, warm, warm with the engine
+#             loop spinning: l3.idle_wait_ms 0), about 6 min
 #   hybrid-speed  restore-speed at the gpt-oss-20b-like shape (sliding windows, 16k
 #             prompts): recompute, native, ours (about 5 min, estimated)
 #   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and
@@ -63,6 +65,8 @@ accept_cmd() {
     bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-32k ${long_mtp[*]}"
 }
 
+L3_RESTART="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+  --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json"
 # The foreground command of each background phase.
 declare -A CMD=(
   [fx]="bash scripts/gpu/fixtures.sh /root/fx --only target"
@@ -70,8 +74,8 @@ declare -A CMD=(
   [pressure]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure"
   [pressure-l3]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure-l3 \
     --cpu-fraction 0.1 --l3-hit-policy always"
-  [l3]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
-    --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json
+  [l3-restart]="$L3_RESTART"
+  [l3]="$L3_RESTART
     vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
       --engine-loop-ms 0,0.5,5 --writes 0,32 --switch-interval-ms 5,0.5 --out /root/l3_stages.json"
   [decode]="vllm-draft-offload decode-overhead --shape small --reps 5 --out /root/decode_small.json
@@ -99,7 +103,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|accept|serve|pressure|pressure-l3|l3|decode|soak|hybrid|hybrid-speed)
+fx|accept|serve|pressure|pressure-l3|l3|l3-restart|decode|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
