@@ -55,12 +55,6 @@ class L3Config(BaseModel):
     # waits up to the interval (Python's default: 5 ms) each time (l3-stages
     # --switch-interval-ms measures it).
     switch_interval_ms: float | None = Field(default=0.5, gt=0, le=100, allow_inf_nan=False)
-    # A step with nothing scheduled while a request waits on storage: each worker
-    # waits up to this long (ms) for its next fetch to land instead of returning at
-    # once. vLLM's loop spins through such steps, and each takes the GIL from the read
-    # threads (H100: fetches at 11.5 GB/s beside 5 ms engine bursts, 17.9 with no
-    # loop). A request arriving meanwhile waits at most this long. 0: no wait.
-    idle_wait_ms: float = Field(default=5.0, ge=0, le=100, allow_inf_nan=False)
 
     @field_validator("io_threads", mode="before")
     @classmethod

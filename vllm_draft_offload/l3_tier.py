@@ -168,9 +168,6 @@ class WorkerL3:
         # (released | ok | failed, write id), drained into the worker metadata.
         self.write_reports: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self.fetches_done: queue.SimpleQueue[FetchResult] = queue.SimpleQueue()
-        # Fetches queued or reading on this worker; notified as each one reports.
-        self._fetch_cv = threading.Condition()
-        self._fetches_in_flight = 0
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ writes
@@ -343,26 +340,7 @@ class WorkerL3:
         if self.store is None:
             self.fetches_done.put(FetchResult(job_id, slot, None, "l3_unavailable"))
             return
-        with self._fetch_cv:
-            self._fetches_in_flight += 1
         self._read_pool.submit(self._fetch, job_id, slot, chunk_key, time.perf_counter())
-
-    def _report_fetch(self, result: FetchResult) -> None:
-        self.fetches_done.put(result)
-        with self._fetch_cv:
-            self._fetches_in_flight -= 1
-            self._fetch_cv.notify_all()
-
-    def wait_for_fetch(self, timeout_s: float) -> bool:
-        """Block until a fetch in flight reports (landed or failed), at most `timeout_s`.
-        True when a report waits in `fetches_done`; returns at once when one already
-        does, or when no fetch is in flight."""
-        with self._fetch_cv:
-            self._fetch_cv.wait_for(
-                lambda: not self.fetches_done.empty() or not self._fetches_in_flight,
-                timeout_s,
-            )
-            return not self.fetches_done.empty()
 
     def _fetch(self, job_id: int, slot: int, chunk_key: bytes, queued: float) -> None:
         assert self.store is not None
@@ -386,10 +364,10 @@ class WorkerL3:
                 self.fetch_piece_bytes,
             )
             if header is None:
-                self._report_fetch(FetchResult(job_id, slot, None, "object_missing"))
+                self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))
                 return
             landed = time.perf_counter()
-            self._report_fetch(
+            self.fetches_done.put(
                 FetchResult(
                     job_id,
                     slot,
@@ -405,14 +383,14 @@ class WorkerL3:
                 chunk_key.hex(),
                 exc,
             )
-            self._report_fetch(FetchResult(job_id, slot, None, exc.cause))
+            self.fetches_done.put(FetchResult(job_id, slot, None, exc.cause))
         except L3Error as exc:
             cause = "l3_unavailable" if exc.kind in ("unavailable", "timeout") else "l3_corrupt"
             logger.warning("DraftOffloadConnector: L3 read of %s failed: %s", chunk_key.hex(), exc)
-            self._report_fetch(FetchResult(job_id, slot, None, cause))
+            self.fetches_done.put(FetchResult(job_id, slot, None, cause))
         except Exception:
             logger.exception("DraftOffloadConnector: unexpected L3 read error")
-            self._report_fetch(FetchResult(job_id, slot, None, "l3_corrupt"))
+            self.fetches_done.put(FetchResult(job_id, slot, None, "l3_corrupt"))
 
     def close(self, flush_timeout_s: float | None = None) -> int:
         """Flush queued writes for up to `flush_timeout_s` (default: the config's),

@@ -97,8 +97,6 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # Some request waits on a storage lookup or fetch: workers hold write-behind to
     # one unit at a time meanwhile (WorkerL3.hold_writes).
     l3_reads_waiting: bool = False
-    # No request has tokens scheduled in this step (workers may wait for a fetch).
-    idle_step: bool = False
 
 
 @dataclass

@@ -341,7 +341,6 @@ class DraftOffloadScheduler:
         self._pending_loads, self._pending_finish_stores = [], []
         if self.l3 is not None:
             meta.l3_reads_waiting = self.l3.any_waiting()
-            meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
             # Step timing for the L3 cost model: (new tokens, context) per request.
             self.l3.cost.step_scheduled(
                 [

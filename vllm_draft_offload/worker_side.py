@@ -323,14 +323,8 @@ class DraftOffloadWorker:
             self.comparer.run(meta.compares, self._worker_meta, self._store_stream)
         if self._l3_link is not None:
             self._l3_link.apply_verdicts(meta)
-        if meta.stores:
-            self._issue_step_stores(meta)
-        if meta.idle_step and meta.l3_reads_waiting and self.l3 is not None:
-            # Nothing to compute, a request waits on storage: the read threads get the
-            # GIL until one lands, rather than the engine loop spinning (idle_wait_ms).
-            self.l3.wait_for_fetch(self.config.l3.idle_wait_ms / 1000)
-
-    def _issue_step_stores(self, meta: DraftOffloadMetadata) -> None:
+        if not meta.stores:
+            return
         self._stores.expect(meta.stores)
         failed_reqs, self._failed_load_reqs = self._failed_load_reqs, set()
         failed_jobs, self._failed_load_jobs = self._failed_load_jobs, set()

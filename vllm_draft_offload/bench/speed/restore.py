@@ -15,10 +15,7 @@ another, on the same prompts:
   fresh engine (empty CPU tier) hits every prompt from L3, and once more from the
   CPU tier. That restart runs twice: `ours_l3_cold` after the units' files were
   evicted from the page cache, `ours_l3` (warm) after every unit file was read
-  back into it (`l3_warm`: files, bytes and the read's GB/s). A third restart,
-  `ours_l3_spin`, warm again, sets `l3.idle_wait_ms` to 0: side by side with
-  `ours_l3`, what the workers' wait for landings in idle steps is worth
-  (`idle_wait_vs_spin_ttft` in the summary).
+  back into it (`l3_warm`: files, bytes and the read's GB/s).
 
 The L3 tier runs with the connector's DEFAULT settings; `--l3-io-threads`,
 `--l3-backlog-gib`, `--l3-staging-mb` and `--l3-hit-policy` override them. Only
@@ -94,10 +91,6 @@ EXAMPLES = """examples:
 """
 # Every configuration runs in a child: this module again, as ``python -m``, with --child.
 MODULE = "vllm_draft_offload.bench.speed.restore"
-# The engines `--configs ours_l3` runs, in order, and the warm restarts among them
-# with the report key of their page-cache warm-up.
-L3_ENGINES = ["ours_l3_fill", "ours_l3_cold", "ours_l3", "ours_l3_spin"]
-WARM_RESTARTS = {"ours_l3": "l3_warm", "ours_l3_spin": "l3_warm_spin"}
 
 
 def pinned_h2d_gbps(gib: float) -> float:
@@ -216,7 +209,7 @@ def run_shape(
     }
     engines = []
     for config in args.configs.split(","):
-        engines += L3_ENGINES if config == "ours_l3" else [config]
+        engines += ["ours_l3_fill", "ours_l3_cold", "ours_l3"] if config == "ours_l3" else [config]
     if "ours_l3_fill" in engines and unit_files(l3_dir):
         # Units of an earlier run would count as written and hit after the restart.
         raise SystemExit(f"--l3-dir {l3_dir} already holds units: give an empty directory")
@@ -233,10 +226,10 @@ def run_shape(
     for config in progress(engines, f"restore-speed {name}"):
         if config == "ours_l3_cold":
             report["l3_cold_method"] = evict(unit_files(l3_dir), args.drop_caches)
-        if config in WARM_RESTARTS:
+        if config == "ours_l3":
             # The cold restart left most files evicted: read them all back first, or
             # the "warm" restart reads cold files (seen on an H100: 175 ms per unit).
-            report[WARM_RESTARTS[config]] = cache(unit_files(l3_dir))
+            report["l3_warm"] = cache(unit_files(l3_dir))
         child_out = work / f"{config}.json"
         cmd = [
             sys.executable, "-m", MODULE, "--out", args.out, "--child", str(child_out),

@@ -12,9 +12,6 @@ from vllm_draft_offload.bench.speed.l3_dir import unit_files, wait_for_l3_files,
 from vllm_draft_offload.bench.speed.shapes import VOCAB
 
 STORED_BYTES = "vllm:draft_offload_stored_bytes_total"
-# Restarted engines (they hit the fill engine's prompts from storage), and the seeds of
-# the fresh prompts each one times recompute with.
-RESTART_FRESH_SEEDS = {"ours_l3_cold": 100, "ours_l3": 200, "ours_l3_spin": 300}
 
 
 def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -40,8 +37,6 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
                 l3["max_pending_write_bytes"] = int(args.l3_backlog_gib * 2**30)
             if getattr(args, "l3_hit_policy", None):
                 l3["hit_policy"] = args.l3_hit_policy
-            if args.config == "ours_l3_spin":
-                l3["idle_wait_ms"] = 0  # the engine loop spins while reads land
             extra["l3"] = l3
             extra["lmcache.remote_url"] = f"fs://{args.l3_dir}"
             lmcache_extra: dict[str, Any] = {"save_chunk_meta": True}
@@ -172,9 +167,9 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
 
     results: dict[str, Any] = {"config": args.config, "fresh_s": []}
-    if args.config in RESTART_FRESH_SEEDS:
-        # Prompts neither the fill engine nor the other restarts wrote to storage.
-        fresh_seed = RESTART_FRESH_SEEDS[args.config]
+    if args.config in ("ours_l3", "ours_l3_cold"):
+        # Prompts neither the fill engine nor the other restart wrote to storage.
+        fresh_seed = 100 if args.config == "ours_l3_cold" else 200
         for rep in range(args.reps):
             hit(rep, results)  # from L3: this engine's CPU tier starts empty
             hit(rep, results, "cpu_")

@@ -38,7 +38,6 @@ def summarize(report: dict[str, Any]) -> None:
         "ours": configs.get("ours", {}),
         "ours_l3_restart": configs.get("ours_l3", {}),
         "ours_l3_restart_cold": configs.get("ours_l3_cold", {}),
-        "ours_l3_restart_spin": configs.get("ours_l3_spin", {}),
     }
     for name, result in hits.items():
         hit = result.get("hit_s")
@@ -85,12 +84,6 @@ def summarize(report: dict[str, Any]) -> None:
                 for line in result.get("l3_decisions", [])
                 if "L3 decision req=" in line
             ]
-    if "ours_l3_restart" in summary and "ours_l3_restart_spin" in summary:
-        # Side by side, both warm: workers waiting for landings in idle steps vs not.
-        summary["idle_wait_vs_spin_ttft"] = (
-            summary["ours_l3_restart"]["hit_ttft_s_steady"]
-            / summary["ours_l3_restart_spin"]["hit_ttft_s_steady"]
-        )
     pinned = report.get("pinned_h2d_GBps")
     if "ours" in summary and pinned and summary["ours"]["restore_GBps_connector"]:
         summary["ours"]["restore_vs_pinned_memcpy"] = (
