@@ -262,8 +262,12 @@ def test_hits_by_tier_come_from_vllms_hits_by_source() -> None:
     old = {k: v for k, v in counters.items() if "by_source" not in k}
     hits = sr.tier_tokens(old, chunk)
     assert hits["hit_tokens_method"] == "loaded_chunks"
-    assert hits["hit_tokens"] == {"cpu": None, "l3": 14 * chunk}
+    assert hits["hit_tokens"] == {"cpu": None, "l3": None}
     old[sr.LOADED.format("cpu")] = 20.0
+    # more tokens fetched than admitted as external hits: fetched is not served
+    old[sr.EXT_HITS] = 14 * chunk - 1
+    assert sr.tier_tokens(old, chunk)["hit_tokens"] == {"cpu": None, "l3": None}
+    old[sr.EXT_HITS] = 20 * chunk
     assert sr.tier_tokens(old, chunk)["hit_tokens"] == {"cpu": 6 * chunk, "l3": 14 * chunk}
 
 
@@ -326,11 +330,13 @@ def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path
     c = ours(nohit)["counters"]
     c[sr.LOADED.format("cpu")] = c[sr.LOADED.format("l3")]
     c[sr.EXT_HITS] = 0
+    c[sr.BY_SOURCE.format("disk")] = c[sr.LOADED.format("l3")] * base["chunk_size"]
     (row,) = _pressure(tmp_path / "d", nohit)["summary"]["rows"]
     assert "no CPU-tier hits" in row["failed"]
     assert any("external hits" in f for f in row["failed"])
     # Storage fetched more than the CPU tier restored: the loads cannot say which tier
     # served what, and the verdict says so instead of passing on a made-up number.
+    del c[sr.BY_SOURCE.format("disk")]
     c[sr.LOADED.format("cpu")] = c[sr.LOADED.format("l3")] - 1
     (row,) = _pressure(tmp_path / "d2", nohit)["summary"]["rows"]
     assert row["hits"]["hit_tokens"]["cpu"] is None

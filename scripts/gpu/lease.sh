@@ -13,8 +13,7 @@
 #             always, so that storage serves what the CPU tier dropped: /root/pressure-l3
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart,
 #             then l3-stages (the fetch path's stages against a plain read)
-#   l3-restart  the same restore-speed alone (fill, cold, warm, warm with the engine
-#             loop spinning: l3.idle_wait_ms 0), about 6 min
+#   l3-restart  the same restore-speed alone (fill, cold and warm restart), about 5 min
 #   hybrid-speed  restore-speed at the gpt-oss-20b-like shape (sliding windows, 16k
 #             prompts): recompute, native, ours (about 5 min, estimated)
 #   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and

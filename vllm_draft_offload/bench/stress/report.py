@@ -74,7 +74,8 @@ def tier_tokens(counters: dict[str, float], chunk: int) -> dict[str, Any]:
     ``cpu``, so the CPU tier's own hits are ``cpu - l3``. That holds only while every
     fetched unit is restored once: fetched units that a small CPU tier evicts before
     use (or that finish in the background after their request stopped waiting) make
-    it wrong, and then ``cpu`` is None (unknown).
+    it wrong. Where it visibly is (fewer CPU-tier loads than fetches, or more fetched
+    tokens than external hits), both are None (unknown).
     """
     loaded = {t: int(counters.get(LOADED.format(t), 0)) for t in TIERS}
     by_source = {
@@ -85,9 +86,12 @@ def tier_tokens(counters: dict[str, float], chunk: int) -> dict[str, Any]:
     if any(by_source.values()):
         method, hit_tokens = "by_source", dict(by_source)
     else:
-        own = loaded["cpu"] - loaded["l3"]
+        own, fetched = loaded["cpu"] - loaded["l3"], loaded["l3"] * chunk
         method = "loaded_chunks"
-        hit_tokens = {"cpu": own * chunk if own >= 0 else None, "l3": loaded["l3"] * chunk}
+        if own < 0 or fetched > int(counters.get(EXT_HITS, 0)):
+            hit_tokens = {"cpu": None, "l3": None}
+        else:
+            hit_tokens = {"cpu": own * chunk, "l3": fetched}
     return {
         "hit_tokens": hit_tokens,
         "hit_tokens_method": method,
@@ -288,8 +292,9 @@ def pressure_markdown(data: dict[str, Any]) -> str:
         lines += [
             "",
             "Hit tokens by tier derived from the connector's loads (recorded without "
-            "vLLM's hits by source): n/a where storage fetched units the CPU tier dropped "
-            "before use.",
+            "vLLM's hits by source): n/a where storage fetched units that were not served "
+            "(the CPU tier dropped them before use); `loaded_chunk_tokens` in the JSON "
+            "has what each tier moved.",
         ]
     lines += _flip_lines(s["rows"], float(data.get("near_tie_nats", NEAR_TIE_NATS)))
     if data.get("dry_run"):
