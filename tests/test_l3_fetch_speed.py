@@ -20,8 +20,11 @@ def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
     assert rc == 0
     report = json.loads(out.read_text())
     for mode in ("cold", "warm"):
-        assert set(report["fetch_GBps"][mode]) == {"1", "2"}
-        assert all(v > 0 for v in report["fetch_GBps"][mode].values())
+        # the worker's path (units spread over threads) beside one unit per thread
+        for path in ("", "_unit_per_thread"):
+            assert set(report[f"fetch_GBps{path}"][mode]) == {"1", "2"}
+            assert all(v > 0 for v in report[f"fetch_GBps{path}"][mode].values())
+            assert all(v > 0 for v in report[f"first_unit_s{path}"][mode].values())
     # Warm fetches are also set against a raw read that lands in memory, as a fetch must.
     assert set(report["fetch_vs_raw"]) == {"cold", "warm", "warm_into_memory"}
     assert all(set(ratios) == {"1", "2"} for ratios in report["fetch_vs_raw"].values())
@@ -49,6 +52,7 @@ def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> N
              "--reps", "1", "--modes", "warm"]
         )  # fmt: skip
     assert set(report["fetch_GBps"]) == {"warm"} and "raw" not in report
+    assert "fetch_GBps_unit_per_thread" not in report  # Redis objects arrive whole
 
 
 def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path) -> None:
@@ -77,7 +81,10 @@ def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path)
         assert stages["read"] > 0 and stages["checksum"] > 0
         assert stages["total"] >= stages["read"] + stages["checksum"]
         # The payload in pieces (the header came with LMCache's metadata); one hash each.
-        assert row["pieces_per_unit"] == -(-unit // (row["piece_kib"] << 10))
+        # Spread over threads (a unit of several runs of layers): each of its 36 equal
+        # layers in pieces of its own.
+        piece = row["piece_kib"] << 10
+        assert row["pieces_per_unit"] == 36 * -(-(unit // 36) // piece)
         assert row["checksum_calls_per_unit"] == row["pieces_per_unit"]
     # The background writes' files are gone; the units stay for the next run.
     assert len(list((tmp_path / "l3").glob("*.data"))) == 3

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from kv_sim import SimEngine, SimSetup, prompt, write_tiny_llama
 
+from vllm_draft_offload import unit_fetch
 from vllm_draft_offload.l3_tier import object_key
 from vllm_draft_offload.unit_codec import layer_view, pack_unit, read_header
 
@@ -94,6 +95,36 @@ def test_restart_restores_from_persistent_path(
     model_dirs: tuple[Path, Path], tmp_path: Path, eagle: bool
 ) -> None:
     run_restart(model_dirs, f"fs://{tmp_path / 'l3'}", eagle)
+
+
+def test_restart_restores_with_each_unit_spread_over_threads(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every unit's layers read by several threads (pieces small enough that each unit
+    has several runs): restored KV bit-exact, target and draft, and the same output."""
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(23, 3 * CHUNK + 9)
+    first = fill_l3(model_dirs, url, tokens, max_tokens=3, eagle=True)
+    spread_fetches = []
+    real = unit_fetch._read_runs
+
+    def counting(file, span, dest, runs, piece_bytes, spread):  # type: ignore[no-untyped-def]
+        spread_fetches.append(len(runs))
+        real(file, span, dest, runs, piece_bytes, spread)
+
+    monkeypatch.setattr(unit_fetch, "_read_runs", counting)
+    second = l3_engine(model_dirs, url, eagle=True)
+    l3 = second.worker.worker.l3
+    assert l3 is not None
+    l3.fetch_piece_bytes = 1024
+    second.add_request("after-restart", tokens, max_tokens=3)
+    second.run_prefill("after-restart")
+    assert second.external_hits["after-restart"] == 3 * CHUNK
+    assert len(spread_fetches) == 3 and min(spread_fetches) > 1, spread_fetches
+    assert second.mismatched_positions("after-restart") == []
+    second.run_until_done()
+    assert second.outputs["after-restart"] == first.outputs["fresh"]
+    second.worker.shutdown()
 
 
 def test_restart_restores_into_separate_draft_group(

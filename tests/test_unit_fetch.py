@@ -1,16 +1,20 @@
 """fetch_unit_into: a stored unit lands in its destination bit-exact, on fs:// (read straight
-from the object's file) and on Redis (LMCache's buffer, copied). Every defect the codec
-knows is refused with the codec's cause on both paths, including damage in a piece that was
-already copied into the destination, and damaged fs:// files are storage errors, not hits.
-Real backends throughout: an fs directory and redis-server.
+from the object's file, by one thread or spread over several) and on Redis (LMCache's
+buffer, copied). Every defect the codec knows is refused with the codec's cause on every
+path, including damage in a piece that was already copied into the destination, and
+damaged fs:// files are storage errors, not hits. Real backends throughout: an fs
+directory and redis-server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,10 +24,10 @@ from redis_fixture import RedisServer, redis_server_binary
 from test_unit_codec import DEFECTS, _expected, _layers, _pack
 
 from vllm_draft_offload.l3_errors import L3Error
-from vllm_draft_offload.l3_fs_reads import HEAD_BYTES
+from vllm_draft_offload.l3_fs_reads import HEAD_BYTES, ObjectFile
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import UnitRejected, read_header
-from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
+from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into, layer_runs
 from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck
 
 KEY = "3f" * 16
@@ -65,6 +69,19 @@ def store(request: pytest.FixtureRequest, stores: dict[str, L3Store]) -> L3Store
     return stores[request.param]
 
 
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Executor]:
+    with ThreadPoolExecutor(3, thread_name_prefix="spread-test") as executor:
+        yield executor
+
+
+@pytest.fixture(params=["one_thread", "spread"])
+def spread(request: pytest.FixtureRequest, pool: Executor) -> Executor | None:
+    """fs:// units read by the calling thread alone, or their layers spread over a pool
+    (Redis ignores it: its object arrives whole)."""
+    return pool if request.param == "spread" else None
+
+
 def _big_unit(rng: random.Random) -> tuple[bytes, bytes, ExpectedUnit]:
     """A unit of several pieces of PIECE: 3 target layers of 1 MiB and 2 small draft layers."""
     layers = [(f"t{i}", False, rng.randbytes(1 << 20)) for i in range(3)]
@@ -80,14 +97,16 @@ def _name(rng: random.Random) -> str:
 
 
 @pytest.mark.parametrize("piece", [PIECE, PIECE_BYTES, 4096 + 64])
-def test_fetch_lands_the_payload_bit_exact(store: L3Store, piece: int) -> None:
+def test_fetch_lands_the_payload_bit_exact(
+    store: L3Store, piece: int, spread: Executor | None
+) -> None:
     """In pieces of PIECE, the product's, and an odd size (a short last piece)."""
     rng = random.Random(1)
     blob, payload, expected = _big_unit(rng)
     name = _name(rng)
     store.put(name, blob)
     dest = bytearray(b"\xaa" * len(payload))
-    header = fetch_unit_into(store, name, expected, memoryview(dest), piece)
+    header = fetch_unit_into(store, name, expected, memoryview(dest), piece, spread)
     assert header == read_header(blob)[0]
     assert dest == payload
     assert fetch_unit_into(store, _name(rng), expected, memoryview(dest)) is None
@@ -95,7 +114,9 @@ def test_fetch_lands_the_payload_bit_exact(store: L3Store, piece: int) -> None:
 
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
-def test_planted_defect_is_refused_with_the_codec_cause(store: L3Store, defect: str) -> None:
+def test_planted_defect_is_refused_with_the_codec_cause(
+    store: L3Store, defect: str, spread: Executor | None
+) -> None:
     layers = _layers(random.Random(7))
     header, blob = _pack(layers)
     cause, plant = DEFECTS[defect]
@@ -104,7 +125,8 @@ def test_planted_defect_is_refused_with_the_codec_cause(store: L3Store, defect: 
     store.put(name, bad_blob)
     dest = memoryview(bytearray(sum(s.nbytes for s in expected.layers)))
     with pytest.raises(UnitRejected) as exc:
-        fetch_unit_into(store, name, expected, dest)
+        # 1 KiB runs: every layer of these small units is a run of its own when spread
+        fetch_unit_into(store, name, expected, dest, 1024, spread)
     assert exc.value.cause == cause, exc.value
 
 
@@ -141,7 +163,9 @@ def test_payload_check_is_the_payload_checksum_whatever_the_pieces(
 
 
 @pytest.mark.parametrize("where", ["first_byte", "middle_piece", "last_byte"])
-def test_byte_flipped_in_a_copied_piece_is_refused(store: L3Store, where: str) -> None:
+def test_byte_flipped_in_a_copied_piece_is_refused(
+    store: L3Store, where: str, spread: Executor | None
+) -> None:
     """The damaged piece has already landed when its hash is checked: still refused. The
     first byte also lies in what fs:// read with the header (the head), so this is the
     payload read into the destination that is checked, not the head."""
@@ -153,7 +177,7 @@ def test_byte_flipped_in_a_copied_piece_is_refused(store: L3Store, where: str) -
     name = _name(rng)
     store.put(name, bytes(bad))
     with pytest.raises(UnitRejected) as exc:
-        fetch_unit_into(store, name, expected, memoryview(bytearray(len(payload))), PIECE)
+        fetch_unit_into(store, name, expected, memoryview(bytearray(len(payload))), PIECE, spread)
     assert exc.value.cause == "checksum_mismatch"
 
 
@@ -191,7 +215,7 @@ def _fs_file(stores: dict[str, L3Store], fs_dir: Path, blob: bytes, name: str) -
 
 @pytest.mark.parametrize("damage", ["cut_in_payload", "cut_in_header", "cut_in_metadata", "grown"])
 def test_fs_file_damaged_on_disk_is_a_corrupt_object(
-    stores: dict[str, L3Store], fs_dir: Path, damage: str
+    stores: dict[str, L3Store], fs_dir: Path, damage: str, spread: Executor | None
 ) -> None:
     """The file disagrees with LMCache's own length prefix: a storage error, as a failed
     FSConnector.get of an existing key is, and the tier stays up."""
@@ -206,7 +230,9 @@ def test_fs_file_damaged_on_disk_is_a_corrupt_object(
         cut = {"cut_in_metadata": 10, "cut_in_header": 100}.get(damage, path.stat().st_size // 2)
         os.truncate(path, cut)
     with pytest.raises(L3Error) as exc:
-        fetch_unit_into(stores["fs"], name, expected, memoryview(bytearray(len(payload))))
+        fetch_unit_into(
+            stores["fs"], name, expected, memoryview(bytearray(len(payload))), PIECE, spread
+        )
     assert exc.value.kind == "corrupt"
     assert stores["fs"].healthy()
 
@@ -250,3 +276,57 @@ def test_fs_read_past_its_deadline_stops_and_trips_the_breaker(tmp_path: Path) -
         time.sleep(0.25)  # the retry interval: the next call probes and recovers
         assert fetch_unit_into(store, name, expected, memoryview(dest)) is not None
         assert dest == payload and store.healthy()
+
+
+def test_spread_runs_are_whole_layers_that_tile_the_payload() -> None:
+    blob, _, _ = _big_unit(random.Random(8))
+    header = read_header(blob)[0]  # 3 layers of 1 MiB, then 2 of 96 KiB
+    names = [[layer.name for layer in run] for run in layer_runs(header, PIECE)]
+    assert names == [["t0"], ["t1"], ["t2"], ["d0", "d1"]]
+    names = [[layer.name for layer in run] for run in layer_runs(header, 2 * PIECE)]
+    assert names == [["t0", "t1"], ["t2", "d0", "d1"]]
+    # A layer table with a gap (or an overlap) leaves bytes unchecked: refused.
+    moved = dataclasses.replace(header.layers[1], offset=header.layers[1].offset + 1)
+    bad = dataclasses.replace(header, layers=(header.layers[0], moved, *header.layers[2:]))
+    with pytest.raises(UnitRejected) as exc:
+        layer_runs(bad, PIECE)
+    assert exc.value.cause == "corrupt_header"
+
+
+def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
+    stores: dict[str, L3Store], pool: Executor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs really run on the pool's threads beside the caller's; a run that finds
+    damage stops the others, and none reads on after the fetch returned."""
+    store = stores["fs"]
+    rng = random.Random(9)
+    blob, payload, expected = _big_unit(rng)
+    reads: list[str] = []
+    real = ObjectFile.readinto
+
+    def recording(file: ObjectFile, pos: int, buf: memoryview) -> None:
+        reads.append(threading.current_thread().name)
+        time.sleep(0.01)  # slow enough that the runs overlap
+        real(file, pos, buf)
+
+    monkeypatch.setattr(ObjectFile, "readinto", recording)
+    name = _name(rng)
+    store.put(name, blob)
+    dest = bytearray(len(payload))
+    assert fetch_unit_into(store, name, expected, memoryview(dest), PIECE, pool) is not None
+    assert dest == payload
+    assert threading.current_thread().name in reads
+    assert any(r.startswith("spread-test") for r in reads), reads
+
+    bad = bytearray(blob)
+    bad[len(blob) - len(payload) + 5] ^= 0x01  # in t0: the caller's own run
+    store.put(name + "0", bytes(bad))
+    reads.clear()
+    with pytest.raises(UnitRejected) as exc:
+        fetch_unit_into(store, name + "0", expected, memoryview(dest), PIECE // 4, pool)
+    assert exc.value.cause == "checksum_mismatch"
+    after = len(reads)
+    time.sleep(0.1)
+    assert len(reads) == after  # nothing read into dest after the call returned
+    # 4 pieces per layer, 5 layers: the other runs stopped short of reading all 20
+    assert after < 20, reads

@@ -154,6 +154,14 @@ class WorkerL3:
         self._read_pool = ThreadPoolExecutor(
             config.io_threads, thread_name_prefix="draft-offload-l3-read"
         )
+        # fs:// fetches spread each unit's layers over these threads too (unit_fetch.py),
+        # so that a fetch's first units land early instead of all at once after a unit's
+        # whole read.
+        self._spread_pool: ThreadPoolExecutor | None = None
+        if self.store is not None and self.store.reads_files:
+            self._spread_pool = ThreadPoolExecutor(
+                config.io_threads, thread_name_prefix="draft-offload-l3-spread"
+            )
         # Write queue: orders whose store completed, shallowest chunk first, each
         # written by whichever write task runs next (so a cancel can still take it).
         self._write_cv = threading.Condition()
@@ -362,6 +370,7 @@ class WorkerL3:
                 expected,
                 dest,
                 self.fetch_piece_bytes,
+                self._spread_pool,
             )
             if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))
@@ -397,6 +406,8 @@ class WorkerL3:
         then stop; returns how many units could not be written (also logged)."""
         timeout = self.config.flush_timeout_s if flush_timeout_s is None else flush_timeout_s
         self._read_pool.shutdown(wait=True, cancel_futures=True)
+        if self._spread_pool is not None:
+            self._spread_pool.shutdown(wait=True)  # after the reads that submit to it
         self.hold_writes(False)  # no request waits any more: flush at full speed
         if not self.flush(timeout):
             with self._write_cv:

@@ -21,10 +21,20 @@ a core's L2: 1 MiB pieces took the GIL about 80 times per 36 MiB unit, 4 MiB pie
 
 A unit that fails any check raises ``UnitRejected``; the destination then holds a
 partial copy that must not be used (the caller drops the slot).
+
+Spread over threads (``spread``, fs:// only): one unit's layers are read and verified by
+several threads at once, in runs of whole layers of about ``piece_bytes``, each layer
+checked against its own digest in the header. The layers tile the payload (checked
+first), so every byte is verified, as by the payload digest. A unit then lands in about
+1 / threads of the time one thread takes: with one unit per thread, the first of a
+fetch's units landed only after a whole unit's read (21 ms at 37.7 MB on an H100 host),
+as long as a request's whole wait allowance, and no unit of a probe round landed in it.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Executor, Future
 from typing import Final
 
 import numpy as np
@@ -34,13 +44,14 @@ from vllm_draft_offload.l3_fs_reads import ObjectFile
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import (
     PREFIX_SIZE,
+    LayerEntry,
     UnitHeader,
     UnitRejected,
     header_span,
     parse_framed,
     read_header,
 )
-from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck, check_expected
+from vllm_draft_offload.unit_verify import ExpectedUnit, LayerCheck, PayloadCheck, check_expected
 
 # Small enough to stay in the last-level cache between landing and hashing (several
 # threads' pieces at once), large enough that a unit takes the GIL a few dozen times.
@@ -53,9 +64,11 @@ def fetch_unit_into(
     expected: ExpectedUnit,
     dest: memoryview,
     piece_bytes: int = PIECE_BYTES,
+    spread: Executor | None = None,
 ) -> UnitHeader | None:
     """Read object ``name`` into ``dest`` (exactly the payload's size) and verify it,
-    ``piece_bytes`` at a time.
+    ``piece_bytes`` at a time; fs:// objects of more than one run of layers with the
+    help of ``spread``'s threads (never the caller's own pool: the caller waits for them).
 
     Returns the unit's header, or None when the object is absent. Raises
     ``UnitRejected`` for a unit that must not be used and ``L3Error`` for a storage
@@ -65,7 +78,7 @@ def fetch_unit_into(
     if store.reads_files:
         try:
             return store.read_file(
-                name, lambda file: _read_file_into(file, expected, dest, piece_bytes)
+                name, lambda file: _read_file_into(file, expected, dest, piece_bytes, spread)
             )
         except L3Error as exc:
             if exc.kind != "unsupported":  # an fs plugin whose connector has no files
@@ -74,7 +87,11 @@ def fetch_unit_into(
 
 
 def _read_file_into(
-    file: ObjectFile, expected: ExpectedUnit, dest: memoryview, piece_bytes: int
+    file: ObjectFile,
+    expected: ExpectedUnit,
+    dest: memoryview,
+    piece_bytes: int,
+    spread: Executor | None = None,
 ) -> UnitHeader:
     if file.nbytes < PREFIX_SIZE:
         raise UnitRejected("truncated", f"{file.nbytes} bytes, prefix needs {PREFIX_SIZE}")
@@ -85,6 +102,11 @@ def _read_file_into(
     header = parse_framed(prefix + file.read(PREFIX_SIZE, span - PREFIX_SIZE), file.nbytes)
     check_expected(header, expected)
     _check_destination(header, dest)
+    if spread is not None:
+        runs = layer_runs(header, piece_bytes)
+        if len(runs) > 1:
+            _read_runs(file, span, dest, runs, piece_bytes, spread)
+            return header
     check = PayloadCheck(header)
     for start in range(0, dest.nbytes, piece_bytes):
         piece = dest[start : start + piece_bytes]
@@ -92,6 +114,87 @@ def _read_file_into(
         check.update(piece)
     check.finish()
     return header
+
+
+def layer_runs(header: UnitHeader, run_bytes: int) -> list[list[LayerEntry]]:
+    """The header's layers in payload order, in runs of whole layers of at least
+    ``run_bytes`` (the last may be shorter). Raises ``corrupt_header`` unless the layers
+    tile the payload: back to back from byte 0 to its end."""
+    runs: list[list[LayerEntry]] = [[]]
+    run_size = end = 0
+    for layer in sorted(header.layers, key=lambda entry: entry.offset):
+        if layer.offset != end or layer.nbytes < 0:
+            raise UnitRejected(
+                "corrupt_header", f"layer {layer.name!r} at {layer.offset}, not {end}"
+            )
+        end += layer.nbytes
+        if run_size >= run_bytes:
+            runs.append([])
+            run_size = 0
+        runs[-1].append(layer)
+        run_size += layer.nbytes
+    if end != header.payload_nbytes:
+        raise UnitRejected("corrupt_header", f"layers cover {end} of {header.payload_nbytes} bytes")
+    return runs
+
+
+def _read_runs(
+    file: ObjectFile,
+    span: int,
+    dest: memoryview,
+    runs: list[list[LayerEntry]],
+    piece_bytes: int,
+    spread: Executor,
+) -> None:
+    """Runs 1.. on ``spread``'s threads, run 0 on this one; returns (or raises the first
+    failure) only once none of them reads or writes any more."""
+    stop = threading.Event()
+    futures: list[Future[None]] = []
+    inline = [runs[0]]
+    for run in runs[1:]:
+        try:
+            futures.append(spread.submit(_read_layers, file, span, dest, run, piece_bytes, stop))
+        except RuntimeError:  # the pool is shutting down: read it here
+            inline.append(run)
+    failure: BaseException | None = None
+    for run in inline:
+        try:
+            _read_layers(file, span, dest, run, piece_bytes, stop)
+        except BaseException as exc:
+            failure = failure or exc
+            stop.set()
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+
+
+def _read_layers(
+    file: ObjectFile,
+    span: int,
+    dest: memoryview,
+    layers: list[LayerEntry],
+    piece_bytes: int,
+    stop: threading.Event,
+) -> None:
+    """Read ``layers`` into ``dest`` piece by piece, each layer checked against its digest."""
+    try:
+        for layer in layers:
+            check = LayerCheck(layer)
+            end = layer.offset + layer.nbytes
+            for start in range(layer.offset, end, piece_bytes):
+                if stop.is_set():
+                    return  # another run failed: the unit is refused anyway
+                piece = dest[start : min(start + piece_bytes, end)]
+                file.readinto(span + start, piece)
+                check.update(piece)
+            check.finish()
+    except BaseException:
+        stop.set()
+        raise
 
 
 def _copy_blob_into(

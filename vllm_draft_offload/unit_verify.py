@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from vllm_draft_offload.unit_codec import (
     Buffer,
+    LayerEntry,
     LayerSpec,
     UnitHeader,
     UnitRejected,
@@ -127,6 +128,27 @@ class PayloadCheck:
             raise UnitRejected(cause, f"checked {self._fed} of {self._header.payload_nbytes} bytes")
         if self._hash.hexdigest() != self._header.payload_checksum:
             raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
+
+
+class LayerCheck:
+    """One layer's digest, fed that layer's bytes in order, piece by piece (a unit whose
+    layers are read by several threads: unit_fetch). ``finish`` raises
+    ``checksum_mismatch`` unless exactly the layer was fed and it matches its entry."""
+
+    def __init__(self, layer: LayerEntry) -> None:
+        self._layer = layer
+        self._hash = payload_hasher()
+        self._fed = 0
+
+    def update(self, piece: Buffer) -> None:
+        mv = memoryview(piece)
+        self._hash.update(mv)
+        self._fed += mv.nbytes
+
+    def finish(self) -> None:
+        layer = self._layer
+        if self._fed != layer.nbytes or self._hash.hexdigest() != layer.checksum:
+            raise UnitRejected("checksum_mismatch", f"layer {layer.name!r} checksum mismatch")
 
 
 def decode_unit(blob: Buffer, expected: ExpectedUnit) -> tuple[UnitHeader, memoryview]:

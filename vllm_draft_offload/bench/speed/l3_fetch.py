@@ -10,6 +10,12 @@ own path: read straight into a host slot, verifying each piece as it lands) from
 threads, and reports GB/s per thread count. This is the CPU side of an L3 hit; GPU
 time is not involved.
 
+For fs://, each pass runs twice side by side: the worker's path, where N threads take
+a unit each and spread its layers over another N (``fetch_GBps``), and one unit per
+thread, read by that thread alone (``fetch_GBps_unit_per_thread``). Each also
+reports when the first unit landed (``first_unit_s``), which is what a request's wait
+allowance has to cover before anything it waits for has arrived.
+
 * ``warm``: the units' files are in the page cache (a first pass puts them there).
 * ``cold`` (fs:// only): before every pass the units' files are evicted from the page
   cache (``posix_fadvise(DONTNEED)``, or ``drop_caches`` with ``--drop-caches`` as root).
@@ -31,6 +37,7 @@ import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,7 +48,7 @@ from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.unit_codec import LayerSpec, encode_unit, make_header
-from vllm_draft_offload.unit_fetch import fetch_unit_into
+from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
 
 NUM_LAYERS = 36  # 32 target + 4 draft
@@ -73,20 +80,35 @@ def write_units(store: L3Store, units: int, unit_bytes: int) -> ExpectedUnit:
     )
 
 
-def read_all(store: L3Store, units: int, expected: ExpectedUnit, threads: int) -> float:
-    """Seconds to fetch, verify and copy every unit into its own host slot."""
+def read_all(
+    store: L3Store, units: int, expected: ExpectedUnit, threads: int, spread: bool = False
+) -> tuple[float, float]:
+    """Seconds to fetch, verify and copy every unit into its own host slot, and until
+    the first one had landed. `spread`: each unit's layers over another `threads`
+    threads, as the worker reads fs:// units."""
     slot_bytes = sum(layer.nbytes for layer in expected.layers)
     slots = np.ones((units, slot_bytes), dtype=np.uint8)  # touched, like the host pool
+    landed = [float("inf")] * units
 
-    def fetch(i: int) -> None:
-        # The worker's own fetch path (WorkerL3._fetch): read, verify, into the slot.
-        if fetch_unit_into(store, f"{i:032x}", expected, memoryview(slots[i])) is None:
-            raise RuntimeError(f"unit {i} missing")
+    with (
+        ThreadPoolExecutor(threads) as pool,
+        ThreadPoolExecutor(threads) if spread else nullcontext() as spread_pool,
+    ):
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
+        def fetch(i: int) -> None:
+            # The worker's own fetch path (WorkerL3._fetch): read, verify, into the slot.
+            dest = memoryview(slots[i])
+            if (
+                fetch_unit_into(store, f"{i:032x}", expected, dest, PIECE_BYTES, spread_pool)
+                is None
+            ):
+                raise RuntimeError(f"unit {i} missing")
+            landed[i] = time.perf_counter()
+
+        start = time.perf_counter()
         list(pool.map(fetch, range(units)))
-    return time.perf_counter() - start
+        end = time.perf_counter()
+    return end - start, min(landed) - start
 
 
 def _fmt(by_threads: dict[str, float]) -> str:
@@ -137,22 +159,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         timeout_s=600,
     )
-    fetch: dict[str, dict[str, float]] = {mode: {} for mode in modes}
+    # path -> mode -> threads -> GB/s, and seconds until the first unit landed; the
+    # worker spreads fs:// units over threads, other backends' arrive whole
+    paths = {"": directory is not None}
+    if directory is not None:
+        paths["_unit_per_thread"] = False
+    fetch: dict[str, dict[str, dict[str, float]]] = {p: {m: {} for m in modes} for p in paths}
+    first: dict[str, dict[str, dict[str, float]]] = {p: {m: {} for m in modes} for p in paths}
     cold_method = None
     try:
         expected = write_units(store, args.units, unit_bytes)
         files = sorted(directory.glob("*.data")) if directory is not None else []
         for n in threads:
             for mode in modes:
-                best = float("inf")
-                for _ in range(args.reps):
-                    if mode == "cold":
-                        cold_method = evict(files, args.drop_caches)
-                    else:
-                        read_all(store, args.units, expected, n)  # into the page cache
-                    best = min(best, read_all(store, args.units, expected, n))
-                fetch[mode][str(n)] = args.units * unit_bytes / best / 1e9
-                print(f"threads={n} {mode}: {fetch[mode][str(n)]:.2f} GB/s", flush=True)
+                for path, spread in paths.items():
+                    best = (float("inf"), float("inf"))
+                    for _ in range(args.reps):
+                        if mode == "cold":
+                            cold_method = evict(files, args.drop_caches)
+                        else:
+                            read_all(store, args.units, expected, n)  # into the page cache
+                        best = min(best, read_all(store, args.units, expected, n, spread))
+                    fetch[path][mode][str(n)] = args.units * unit_bytes / best[0] / 1e9
+                    first[path][mode][str(n)] = best[1]
+                    print(
+                        f"threads={n} {mode}{path}: {fetch[path][mode][str(n)]:.2f} GB/s, "
+                        f"first unit in {best[1] * 1000:.1f} ms",
+                        flush=True,
+                    )
     finally:
         store.close()
     report: dict[str, Any] = {
@@ -161,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "url": args.url,
         "unit_bytes": unit_bytes,
         "units": args.units,
-        "fetch_GBps": fetch,
+        **{f"fetch_GBps{path}": fetch[path] for path in paths},
+        **{f"first_unit_s{path}": first[path] for path in paths},
         "cold_method": cold_method,
     }
     if directory is not None and not args.no_raw:
@@ -181,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "warm_into_memory": ("warm", "read_warm_into_memory_GBps"),
         }
         report["fetch_vs_raw"] = {
-            kind: {t: gbps / raw[field][t] for t, gbps in fetch[mode].items()}
+            kind: {t: gbps / raw[field][t] for t, gbps in fetch[""][mode].items()}
             for kind, (mode, field) in kinds.items()
             if mode in modes
         }
