@@ -103,16 +103,14 @@ def check_expected(header: UnitHeader, expected: ExpectedUnit) -> None:
         )
 
 
-class PayloadCheck:
-    """The payload digest, fed the payload in order, piece by piece.
+class PieceDigest:
+    """An XXH3-128 digest fed bytes in order, piece by piece, counting them.
 
     A reader hashes each piece right after writing it to its destination, while it is
-    still in the CPU cache, instead of making a second pass over memory. ``finish``
-    raises ``checksum_mismatch`` unless exactly the payload was fed and it matches.
+    still in the CPU cache, instead of making a second pass over memory.
     """
 
-    def __init__(self, header: UnitHeader) -> None:
-        self._header = header
+    def __init__(self) -> None:
         self._hash = payload_hasher()
         self._fed = 0
 
@@ -120,6 +118,15 @@ class PayloadCheck:
         mv = memoryview(piece)
         self._hash.update(mv)
         self._fed += mv.nbytes
+
+
+class PayloadCheck(PieceDigest):
+    """The payload's digest. ``finish`` raises ``checksum_mismatch`` unless exactly the
+    payload was fed and it matches."""
+
+    def __init__(self, header: UnitHeader) -> None:
+        super().__init__()
+        self._header = header
 
     def finish(self) -> None:
         if self._fed != self._header.payload_nbytes:
@@ -130,20 +137,14 @@ class PayloadCheck:
             raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
 
 
-class LayerCheck:
-    """One layer's digest, fed that layer's bytes in order, piece by piece (a unit whose
-    layers are read by several threads: unit_fetch). ``finish`` raises
-    ``checksum_mismatch`` unless exactly the layer was fed and it matches its entry."""
+class LayerCheck(PieceDigest):
+    """One layer's digest (a unit whose layers are read by several threads: unit_fetch).
+    ``finish`` raises ``checksum_mismatch`` unless exactly the layer was fed and it
+    matches its entry."""
 
     def __init__(self, layer: LayerEntry) -> None:
+        super().__init__()
         self._layer = layer
-        self._hash = payload_hasher()
-        self._fed = 0
-
-    def update(self, piece: Buffer) -> None:
-        mv = memoryview(piece)
-        self._hash.update(mv)
-        self._fed += mv.nbytes
 
     def finish(self) -> None:
         layer = self._layer

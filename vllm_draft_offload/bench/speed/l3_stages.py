@@ -15,9 +15,8 @@ them once so their files are in the page cache, then for every scenario reports:
   the same slots, on a pool of as many threads (no checks, no checksum);
 * ``fetch_vs_raw``; and ``stages_ms_per_unit``, from one more fetch pass with the fetch
   path's two workers timed (``ObjectFile.readinto``: the read, which lands in the slot, so
-  there is no separate copy to the slot on fs://; ``PayloadCheck.update`` and
-  ``LayerCheck.update``: the checksum, of the payload or, with a unit spread over
-  threads, of each layer):
+  there is no separate copy to the slot on fs://; ``PieceDigest.update``: the checksum,
+  of the payload or, with a unit spread over threads, of each layer):
   ``read``, ``checksum``, ``other`` (open, header, checks, waiting for the GIL) and
   ``total`` (``FetchResult.seconds``), each summed over units and divided by their
   number, plus ``pieces_per_unit`` (reads per unit: each one releases and retakes the GIL,
@@ -75,7 +74,7 @@ from vllm_draft_offload.l3_fs_reads import ObjectFile
 from vllm_draft_offload.l3_tier import WorkerL3, object_key
 from vllm_draft_offload.metadata import L3WriteOrder
 from vllm_draft_offload.transfers import HostPool
-from vllm_draft_offload.unit_verify import LayerCheck, PayloadCheck
+from vllm_draft_offload.unit_verify import PieceDigest
 
 TARGET_LAYERS = 32
 DRAFT_LAYERS = 4
@@ -127,18 +126,16 @@ class Timers:
 
 @contextmanager
 def timed_stages(timers: Timers) -> Iterator[None]:
-    """Time ``ObjectFile.readinto`` and ``PayloadCheck.update`` (the fetch path's read
+    """Time ``ObjectFile.readinto`` and ``PieceDigest.update`` (the fetch path's read
     and checksum) for the duration of the block."""
-    read, update, layer_update = ObjectFile.readinto, PayloadCheck.update, LayerCheck.update
+    read, update = ObjectFile.readinto, PieceDigest.update
     ObjectFile.readinto = timers.wrap("read", read)  # type: ignore[method-assign]
-    PayloadCheck.update = timers.wrap("checksum", update)  # type: ignore[method-assign]
-    LayerCheck.update = timers.wrap("checksum", layer_update)  # type: ignore[method-assign]
+    PieceDigest.update = timers.wrap("checksum", update)  # type: ignore[method-assign]
     try:
         yield
     finally:
         ObjectFile.readinto = read  # type: ignore[method-assign]
-        PayloadCheck.update = update  # type: ignore[method-assign]
-        LayerCheck.update = layer_update  # type: ignore[method-assign]
+        PieceDigest.update = update  # type: ignore[method-assign]
 
 
 @contextmanager
