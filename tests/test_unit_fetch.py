@@ -14,7 +14,6 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from test_unit_codec import DEFECTS, _expected, _layers, _pack
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import HEAD_BYTES, ObjectFile
 from vllm_draft_offload.l3_store import L3Store
+from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.unit_codec import UnitRejected, read_header
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into, layer_runs
 from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck
@@ -70,13 +70,14 @@ def store(request: pytest.FixtureRequest, stores: dict[str, L3Store]) -> L3Store
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[Executor]:
-    with ThreadPoolExecutor(3, thread_name_prefix="spread-test") as executor:
-        yield executor
+def pool() -> Iterator[RunPool]:
+    runs = RunPool(3, "spread-test")
+    yield runs
+    runs.shutdown()
 
 
 @pytest.fixture(params=["one_thread", "spread"])
-def spread(request: pytest.FixtureRequest, pool: Executor) -> Executor | None:
+def spread(request: pytest.FixtureRequest, pool: RunPool) -> RunPool | None:
     """fs:// units read by the calling thread alone, or their layers spread over a pool
     (Redis ignores it: its object arrives whole)."""
     return pool if request.param == "spread" else None
@@ -98,7 +99,7 @@ def _name(rng: random.Random) -> str:
 
 @pytest.mark.parametrize("piece", [PIECE, PIECE_BYTES, 4096 + 64])
 def test_fetch_lands_the_payload_bit_exact(
-    store: L3Store, piece: int, spread: Executor | None
+    store: L3Store, piece: int, spread: RunPool | None
 ) -> None:
     """In pieces of PIECE, the product's, and an odd size (a short last piece)."""
     rng = random.Random(1)
@@ -115,7 +116,7 @@ def test_fetch_lands_the_payload_bit_exact(
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_refused_with_the_codec_cause(
-    store: L3Store, defect: str, spread: Executor | None
+    store: L3Store, defect: str, spread: RunPool | None
 ) -> None:
     layers = _layers(random.Random(7))
     header, blob = _pack(layers)
@@ -164,7 +165,7 @@ def test_payload_check_is_the_payload_checksum_whatever_the_pieces(
 
 @pytest.mark.parametrize("where", ["first_byte", "middle_piece", "last_byte"])
 def test_byte_flipped_in_a_copied_piece_is_refused(
-    store: L3Store, where: str, spread: Executor | None
+    store: L3Store, where: str, spread: RunPool | None
 ) -> None:
     """The damaged piece has already landed when its hash is checked: still refused. The
     first byte also lies in what fs:// read with the header (the head), so this is the
@@ -215,7 +216,7 @@ def _fs_file(stores: dict[str, L3Store], fs_dir: Path, blob: bytes, name: str) -
 
 @pytest.mark.parametrize("damage", ["cut_in_payload", "cut_in_header", "cut_in_metadata", "grown"])
 def test_fs_file_damaged_on_disk_is_a_corrupt_object(
-    stores: dict[str, L3Store], fs_dir: Path, damage: str, spread: Executor | None
+    stores: dict[str, L3Store], fs_dir: Path, damage: str, spread: RunPool | None
 ) -> None:
     """The file disagrees with LMCache's own length prefix: a storage error, as a failed
     FSConnector.get of an existing key is, and the tier stays up."""
@@ -294,10 +295,10 @@ def test_spread_runs_are_whole_layers_that_tile_the_payload() -> None:
 
 
 def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
-    stores: dict[str, L3Store], pool: Executor, monkeypatch: pytest.MonkeyPatch
+    stores: dict[str, L3Store], pool: RunPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The runs really run on the pool's threads beside the caller's; a run that finds
-    damage stops the others, and none reads on after the fetch returned."""
+    """The runs really run on the pool's threads; a run that finds damage stops the
+    others, and none reads on after the fetch returned."""
     store = stores["fs"]
     rng = random.Random(9)
     blob, payload, expected = _big_unit(rng)
@@ -315,11 +316,12 @@ def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     dest = bytearray(len(payload))
     assert fetch_unit_into(store, name, expected, memoryview(dest), PIECE, pool) is not None
     assert dest == payload
-    assert threading.current_thread().name in reads
-    assert any(r.startswith("spread-test") for r in reads), reads
+    # every byte read on the pool's threads, by more than one (the caller only waits)
+    assert all(r.startswith("spread-test") for r in reads), reads
+    assert len(set(reads)) > 1, reads
 
     bad = bytearray(blob)
-    bad[len(blob) - len(payload) + 5] ^= 0x01  # in t0: the caller's own run
+    bad[len(blob) - len(payload) + 5] ^= 0x01  # in t0, the first run
     store.put(name + "0", bytes(bad))
     reads.clear()
     with pytest.raises(UnitRejected) as exc:

@@ -37,9 +37,9 @@ class L3Config(BaseModel):
     # of the CPU budget, never extra memory; past it a prompt's deepest queued
     # chunks are dropped (counted). None: half of cpu_bytes_to_use.
     max_pending_write_bytes: int | None = Field(default=None, gt=0)
-    # Threads per worker for storage reads (fs://: as many again read the layers of
-    # the units in flight, unit_fetch.py), and as many for writes. None: sized from
-    # the host (half the cores, 2 to 16).
+    # Threads per worker for storage reads (fs://: as many again read the bytes of the
+    # units in flight, earliest unit first: unit_fetch.py), and as many for writes.
+    # None: sized from the host (half the cores, 2 to 16).
     io_threads: int = Field(default_factory=lambda: default_io_threads(), ge=1, le=64)
     timeout_s: float = Field(default=5.0, gt=0)
     # cost: fetch the part of a storage hit that loads faster than it recomputes

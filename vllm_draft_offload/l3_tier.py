@@ -29,6 +29,7 @@ from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import L3WriteOrder
+from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import (
     LayerSpec,
@@ -154,14 +155,12 @@ class WorkerL3:
         self._read_pool = ThreadPoolExecutor(
             config.io_threads, thread_name_prefix="draft-offload-l3-read"
         )
-        # fs:// fetches spread each unit's layers over these threads too (unit_fetch.py),
-        # so that a fetch's first units land early instead of all at once after a unit's
-        # whole read.
-        self._spread_pool: ThreadPoolExecutor | None = None
+        # fs:// fetches read their units' bytes on these threads, earliest unit first
+        # (unit_fetch.py), so that a fetch's first units land early instead of all
+        # together after a whole unit's read; read-pool threads open units and wait.
+        self._spread_pool: RunPool | None = None
         if self.store is not None and self.store.reads_files:
-            self._spread_pool = ThreadPoolExecutor(
-                config.io_threads, thread_name_prefix="draft-offload-l3-spread"
-            )
+            self._spread_pool = RunPool(config.io_threads, "draft-offload-l3-spread")
         # Write queue: orders whose store completed, shallowest chunk first, each
         # written by whichever write task runs next (so a cancel can still take it).
         self._write_cv = threading.Condition()
@@ -407,7 +406,7 @@ class WorkerL3:
         timeout = self.config.flush_timeout_s if flush_timeout_s is None else flush_timeout_s
         self._read_pool.shutdown(wait=True, cancel_futures=True)
         if self._spread_pool is not None:
-            self._spread_pool.shutdown(wait=True)  # after the reads that submit to it
+            self._spread_pool.shutdown()  # after the reads that submit to it
         self.hold_writes(False)  # no request waits any more: flush at full speed
         if not self.flush(timeout):
             with self._write_cv:

@@ -24,7 +24,8 @@ partial copy that must not be used (the caller drops the slot).
 
 Spread over threads (``spread``, fs:// only): one unit's layers are read and verified by
 several threads at once, in runs of whole layers of about ``piece_bytes``, each layer
-checked against its own digest in the header. The layers tile the payload (checked
+checked against its own digest in the header, the earliest unit's runs first
+(run_pool.py), while the caller waits. The layers tile the payload (checked
 first), so every byte is verified, as by the payload digest. A unit then lands in about
 1 / threads of the time one thread takes: with one unit per thread, the first of a
 fetch's units landed only after a whole unit's read (21 ms at 37.7 MB on an H100 host),
@@ -34,7 +35,7 @@ as long as a request's whole wait allowance, and no unit of a probe round landed
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from typing import Final
 
 import numpy as np
@@ -42,6 +43,7 @@ import numpy as np
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import ObjectFile
 from vllm_draft_offload.l3_store import L3Store
+from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.unit_codec import (
     PREFIX_SIZE,
     LayerEntry,
@@ -64,7 +66,7 @@ def fetch_unit_into(
     expected: ExpectedUnit,
     dest: memoryview,
     piece_bytes: int = PIECE_BYTES,
-    spread: Executor | None = None,
+    spread: RunPool | None = None,
 ) -> UnitHeader | None:
     """Read object ``name`` into ``dest`` (exactly the payload's size) and verify it,
     ``piece_bytes`` at a time; fs:// objects of more than one run of layers with the
@@ -91,7 +93,7 @@ def _read_file_into(
     expected: ExpectedUnit,
     dest: memoryview,
     piece_bytes: int,
-    spread: Executor | None = None,
+    spread: RunPool | None = None,
 ) -> UnitHeader:
     if file.nbytes < PREFIX_SIZE:
         raise UnitRejected("truncated", f"{file.nbytes} bytes, prefix needs {PREFIX_SIZE}")
@@ -144,17 +146,22 @@ def _read_runs(
     dest: memoryview,
     runs: list[list[LayerEntry]],
     piece_bytes: int,
-    spread: Executor,
+    spread: RunPool,
 ) -> None:
-    """Runs 1.. on ``spread``'s threads, run 0 on this one; returns (or raises the first
-    failure) only once none of them reads or writes any more."""
+    """Every run on ``spread``'s threads, in this unit's ticket order, while this thread
+    waits: readers of later units must not take threads (cores, the GIL) from an earlier
+    unit. Returns (or raises the first failure) only once none of them reads or writes
+    any more."""
     stop = threading.Event()
     futures: list[Future[None]] = []
-    inline = [runs[0]]
-    for run in runs[1:]:
+    inline: list[list[LayerEntry]] = []
+    ticket = spread.ticket()
+    for run in runs:
         try:
-            futures.append(spread.submit(_read_layers, file, span, dest, run, piece_bytes, stop))
-        except RuntimeError:  # the pool is shutting down: read it here
+            futures.append(
+                spread.submit(ticket, _read_layers, file, span, dest, run, piece_bytes, stop)
+            )
+        except RuntimeError:  # the pool is shut down: read it here
             inline.append(run)
     failure: BaseException | None = None
     for run in inline:

@@ -37,7 +37,6 @@ import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,6 +46,7 @@ import numpy as np
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 from vllm_draft_offload.l3_store import L3Store
+from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.unit_codec import LayerSpec, encode_unit, make_header
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
@@ -90,10 +90,8 @@ def read_all(
     slots = np.ones((units, slot_bytes), dtype=np.uint8)  # touched, like the host pool
     landed = [float("inf")] * units
 
-    with (
-        ThreadPoolExecutor(threads) as pool,
-        ThreadPoolExecutor(threads) if spread else nullcontext() as spread_pool,
-    ):
+    spread_pool = RunPool(threads, "l3-speed-spread") if spread else None
+    with ThreadPoolExecutor(threads) as pool:
 
         def fetch(i: int) -> None:
             # The worker's own fetch path (WorkerL3._fetch): read, verify, into the slot.
@@ -108,6 +106,8 @@ def read_all(
         start = time.perf_counter()
         list(pool.map(fetch, range(units)))
         end = time.perf_counter()
+    if spread_pool is not None:
+        spread_pool.shutdown()
     return end - start, min(landed) - start
 
 
