@@ -25,8 +25,9 @@ class SlowConnector:
     def __init__(self, inner: Any, delays: dict[str, float]) -> None:
         self._inner = inner
         self._delays = delays
-        # Calls sleeping at once.
+        # Calls sleeping at once, and reads started in all.
         self.gets_in_flight = self.max_gets_in_flight = 0
+        self.gets_started = 0
         self.exists_in_flight = self.max_exists_in_flight = 0
         self._lock = threading.Lock()  # read_file sleeps on the callers' threads
         self._disk = threading.Lock()  # the one device of `disk` reads
@@ -60,6 +61,7 @@ class SlowConnector:
         return check(lkeys)
 
     async def get(self, key: Any) -> Any:
+        self.gets_started += 1
         self.gets_in_flight += 1
         self.max_gets_in_flight = max(self.max_gets_in_flight, self.gets_in_flight)
         try:
@@ -70,6 +72,7 @@ class SlowConnector:
 
     def read_file(self, read: Callable[..., Any], key: str, consume: Any) -> Any:
         with self._lock:
+            self.gets_started += 1
             self.gets_in_flight += 1
             self.max_gets_in_flight = max(self.max_gets_in_flight, self.gets_in_flight)
         try:

@@ -73,6 +73,7 @@ FIXED = (
     "comparer.regions",
     "comparer.dtypes",
     "copier.rules",
+    "_spread_pool._threads",  # run_pool.RunPool: io_threads threads, started once
     "_conn._connector.base_paths",
     "_conn._connector.meta_dtypes",
     "_conn._connector.meta_shapes",

@@ -455,6 +455,49 @@ def test_measured_storage_that_stalls_costs_a_bounded_wait(
     eng.worker.shutdown()
 
 
+def test_a_fetch_given_up_as_too_slow_cancels_the_reads_not_started(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Seen on an H100 (session 9): a request gave up a 64-unit fetch that fell behind
+    its measured pace, and recomputed 0.03-0.08 s slower than the engine's other
+    prefills, beside the ~60 reads still queued. The reads not started are cancelled:
+    only those in flight run, nothing is refused, and the units stay usable."""
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "cost", io_threads=2)
+    _serve(eng, "fast", prompts[0])  # the storage is measured fast
+    l3 = eng.scheduler.connector.scheduler.l3
+    # Each read now takes longer than the request waits (its allowance, then two unit
+    # and step times without progress): it gives up before any lands.
+    slow = throttle(eng.worker.worker.l3.store, get=3.0)
+    eng.evict_gpu_kv()
+    eng.take_published()
+    eng.add_request("stalled", prompts[1], max_tokens=1)
+    eng.run_prefill("stalled")
+    decision = l3.log.recent[-1]
+    assert decision.outcome == "declined:fetch_too_slow", decision.line()
+    assert decision.wanted == PROMPT_CHUNKS and decision.landed == 0, decision.line()
+    deadline = time.monotonic() + 10
+    while l3.fetches.units:  # the reads in flight land in the background
+        assert time.monotonic() < deadline, _decisions(eng)
+        eng.step()
+        time.sleep(0.005)
+    eng.run_until_done()
+    # one per read thread, in flight at the give-up; the other 6 never started
+    assert slow.gets_started == 2, (slow.gets_started, _decisions(eng))
+    assert not l3.fetches.take_cancels() and not l3.fetches.take_unsent()
+    worker_l3 = eng.worker.worker.l3
+    assert not worker_l3._fetches_queued and not worker_l3._fetches_cancelled  # bounded
+    published = eng.take_published()
+    assert published["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}, published
+    assert not published.get("refused"), published  # skipped, not refused
+    # Storage still holds the cancelled units: fast again, the prompt hits whole.
+    slow._delays["get"] = 0.0
+    _serve(eng, "again", prompts[1])
+    assert eng.external_hits["again"] == PROMPT_CHUNKS * CHUNK, _decisions(eng)
+    eng.worker.shutdown()
+
+
 def test_never_reads_storage(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     url = f"fs://{tmp_path / 'l3'}"
     prompts = _filled_storage(model_dirs, url)

@@ -15,7 +15,8 @@ recompute of what it looks up plus what the chunks that landed save (all it gets
 while the storage is unmeasured, i.e. for the probe), and once the storage is
 measured also while the fetch keeps the measured pace. When it stops waiting it is
 admitted with the leading chunks that landed; its other fetches finish in the
-background into the CPU tier. Without any recompute estimate (a start with no
+background into the CPU tier, except after a fetch (not a probe) it gave up as too
+slow: then the reads not yet started are cancelled. Without any recompute estimate (a start with no
 calibration, l3_calibration.py) nothing bounds a wait: the request does not wait,
 and the lookup goes on in the background (l3_background.py) to probe the storage.
 Every decision is logged (l3_decisions.py).
@@ -38,7 +39,7 @@ from vllm_draft_offload.l3_cost import CostModel
 from vllm_draft_offload.l3_decisions import DecisionLog, L3Decision
 from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.l3_tier import SchedulerL3
-from vllm_draft_offload.metadata import FetchJob
+from vllm_draft_offload.metadata import FETCH_CANCELLED, FetchJob
 from vllm_draft_offload.metrics import DraftOffloadStats
 
 logger = logging.getLogger(__name__)
@@ -389,6 +390,12 @@ class L3Prefetch:
             self.stats.record_l3_declined(FETCH_TOO_SLOW, given_up)
         if state.decision.probe.endswith("sent"):
             state.decision.probe = f"abandoned with {landed}/{state.decision.wanted} landed"
+        if state.phase == "fetch":
+            # Storage is slower than it was priced: the rest is recomputed, and reads
+            # still queued would only compete with that recompute. (A probe round's
+            # reads all run at once, and its landing times the storage.)
+            self.fetches.cancel(state.jobs)
+            state.jobs.clear()
         outcome = "partial" if landed else "declined:" + FETCH_TOO_SLOW
         self._finish(state, outcome, landed)
 
@@ -440,6 +447,9 @@ class L3Prefetch:
     def take_fetch_jobs(self) -> list[FetchJob]:
         return self.fetches.take_unsent()
 
+    def take_fetch_cancels(self) -> list[int]:
+        return self.fetches.take_cancels()
+
     def fetch_timings(self, seconds: dict[int, float], since_queued: dict[int, float]) -> None:
         """Fetch jobs' times on the workers: the read, decode and copy of each unit, and
         from queueing it to its landing (what times a round)."""
@@ -450,13 +460,18 @@ class L3Prefetch:
 
     def fetch_finished(self, job_id: int, successors: list[int] | None, cause: str | None) -> None:
         """All workers answered a fetch: publish the unit, or drop it and say why."""
-        req_id, placeholder = self.fetches.finished(job_id, successors is not None and not cause)
+        cancelled = cause == FETCH_CANCELLED
+        req_id, placeholder = self.fetches.finished(
+            job_id, successors is not None and not cause, cancelled
+        )
         self.background.fetch_finished(job_id)
         state = self._requests.get(req_id) if req_id is not None else None
         if state is not None:
             state.jobs.discard(job_id)
         if successors is None or cause is not None:
             self.index.remove(placeholder)
+            if cancelled:
+                return  # skipped, not refused: storage still holds the unit
             self.stats.record_refused(cause or "l3_corrupt")
             if self.on_unusable is not None:
                 self.on_unusable(placeholder[0])  # storage does not hold it usably

@@ -28,7 +28,7 @@ from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_store import L3Store
-from vllm_draft_offload.metadata import L3WriteOrder
+from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import (
@@ -175,6 +175,10 @@ class WorkerL3:
         # (released | ok | failed, write id), drained into the worker metadata.
         self.write_reports: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self.fetches_done: queue.SimpleQueue[FetchResult] = queue.SimpleQueue()
+        # Fetches queued but not started, and those of them the scheduler cancelled.
+        self._fetch_lock = threading.Lock()
+        self._fetches_queued: set[int] = set()
+        self._fetches_cancelled: set[int] = set()
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ writes
@@ -347,10 +351,24 @@ class WorkerL3:
         if self.store is None:
             self.fetches_done.put(FetchResult(job_id, slot, None, "l3_unavailable"))
             return
+        with self._fetch_lock:
+            self._fetches_queued.add(job_id)
         self._read_pool.submit(self._fetch, job_id, slot, chunk_key, time.perf_counter())
+
+    def cancel_fetches(self, job_ids: list[int]) -> None:
+        """Skip these fetches if they have not started (reported as FETCH_CANCELLED)."""
+        with self._fetch_lock:
+            self._fetches_cancelled.update(j for j in job_ids if j in self._fetches_queued)
 
     def _fetch(self, job_id: int, slot: int, chunk_key: bytes, queued: float) -> None:
         assert self.store is not None
+        with self._fetch_lock:
+            self._fetches_queued.discard(job_id)
+            cancelled = job_id in self._fetches_cancelled
+            self._fetches_cancelled.discard(job_id)
+        if cancelled:
+            self.fetches_done.put(FetchResult(job_id, slot, None, FETCH_CANCELLED))
+            return
         started = time.perf_counter()
         expected = ExpectedUnit(
             key=chunk_key.hex(),

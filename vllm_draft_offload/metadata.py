@@ -63,6 +63,11 @@ class TransferJob:
         return sum(len(pages) for pages in self.host_pages)
 
 
+# Failure cause of a fetch a worker skipped because the scheduler cancelled it: not a
+# refusal, and storage still holds the unit.
+FETCH_CANCELLED = "fetch_cancelled"
+
+
 @dataclass
 class FetchJob:
     """Read one unit from L3 into a host slot."""
@@ -77,6 +82,9 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
     fetches: list[FetchJob] = field(default_factory=list)
+    # Fetch jobs nobody waits for any more whose request gave storage up as too slow: a
+    # worker that has not started one skips it (reported with cause FETCH_CANCELLED).
+    cancel_fetches: list[int] = field(default_factory=list)
     compares: list[TransferJob] = field(default_factory=list)
     # A request with stores in flight was preempted: its blocks may be reused
     # this step, so in-flight stores must finish before the forward.

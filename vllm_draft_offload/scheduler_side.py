@@ -330,6 +330,7 @@ class DraftOffloadScheduler:
             loads=self._pending_loads,
             stores=self._pending_finish_stores,
             fetches=self.l3.take_fetch_jobs() if self.l3 is not None else [],
+            cancel_fetches=self.l3.take_fetch_cancels() if self.l3 is not None else [],
         )
         for fetch in meta.fetches:
             self.jobs.add(fetch.job_id, JobRecord("", "fetch", []))

@@ -236,6 +236,8 @@ class DraftOffloadWorker:
 
     def start_load_kv(self, meta: DraftOffloadMetadata) -> None:
         self._failed_load_reqs, self._failed_load_jobs = set(), set()
+        if meta.cancel_fetches and self.l3 is not None:
+            self.l3.cancel_fetches(meta.cancel_fetches)
         for fetch in meta.fetches:
             if self.l3 is None:
                 self._worker_meta.failed_jobs[fetch.job_id] = 1
