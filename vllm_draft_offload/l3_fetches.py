@@ -103,14 +103,13 @@ class FetchBook:
         cancels, self._cancels = self._cancels, []
         return cancels
 
-    def _leave_round(self, job_id: int) -> FetchRound | None:
+    def _leave_round(self, job_id: int) -> None:
         """A cancelled fetch leaves its round, which is timed by the units that land."""
         fetch_round = self._rounds.pop(job_id, None)
         if fetch_round is not None:
             fetch_round.pending.discard(job_id)
             fetch_round.size -= 1
             self._maybe_time(fetch_round)
-        return fetch_round
 
     def _maybe_time(self, fetch_round: FetchRound) -> None:
         if not fetch_round.pending and fetch_round.size >= self.storage.parallel:
