@@ -3,7 +3,12 @@ load fails the stores computed on it even when all arrive in one step's reports.
 
 from __future__ import annotations
 
+import pytest
+
+from vllm_draft_offload.cpu_index import CpuTierIndex
 from vllm_draft_offload.job_book import STORE_AFTER_LOAD_FAILURE, JobBook, JobRecord
+from vllm_draft_offload.l3_cost import StorageEstimate
+from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
 
 
@@ -74,3 +79,33 @@ def test_fetch_timings_of_several_ranks_are_the_slowest_ranks() -> None:
     assert merged.completed_jobs == {3: 2}
     assert merged.fetch_seconds == {3: 0.03} and merged.fetch_since_queued == {3: 0.05}
     assert rank1.aggregate(rank0).fetch_since_queued == {3: 0.05}
+
+
+def test_cancelled_fetches_leave_the_book_and_their_round_times_what_landed() -> None:
+    """A request gave its fetch up: unsent jobs are dropped with their placeholders, sent
+    ones go to the workers to skip; the round is timed by the units that landed."""
+    index = CpuTierIndex(8)
+    storage = StorageEstimate(unit_bytes=1 << 20, parallel=2)
+    ids = iter(range(100))
+    book = FetchBook(index, lambda: next(ids), storage)
+    sent = book.reserve("r", [b"k0", b"k1", b"k2", b"k3"])
+    assert [job.job_id for job in book.take_unsent()] == sent
+    later = book.reserve("r", [b"k4", b"k5"])  # reserved, not yet sent
+    book.cancel(sent[2:] + later)
+    assert book.take_unsent() == [] and book.take_cancels() == sent[2:]
+    assert set(book.units) == set(sent)  # the unsent two left the book...
+    assert {unit_id[0] for unit_id in index._entries} == {
+        b"k0",
+        b"k1",
+        b"k2",
+        b"k3",
+    }  # ...and the tier
+    # Workers: two landed (0.04 s and 0.06 s after queueing), two skipped.
+    for job_id, seconds in zip(sent[:2], (0.04, 0.06), strict=True):
+        book.landed_after(job_id, seconds)
+        assert book.finished(job_id, landed=True)[0] == "r"  # still its request's
+    assert storage.pace_s == 0.0  # two of the round still out
+    for job_id in sent[2:]:
+        book.finished(job_id, landed=False, cancelled=True)
+    assert storage.pace_s == pytest.approx(0.06 / 2)  # the two that landed, at once
+    assert not book.units
