@@ -1,5 +1,6 @@
 """The scheduler's job book: a job completes when every rank reported, and a failed
-load fails the stores computed on it even when all arrive in one step's reports."""
+load fails the stores computed on it even when all arrive in one step's reports. The
+fetch book: cancelled fetches and the rounds they leave."""
 
 from __future__ import annotations
 
