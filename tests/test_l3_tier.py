@@ -100,11 +100,13 @@ def test_restart_restores_from_persistent_path(
 def test_restart_restores_with_each_unit_spread_over_threads(
     model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every unit's layers read by several threads (pieces small enough that each unit
-    has several runs): restored KV bit-exact, target and draft, and the same output."""
+    """l3.spread_reads: every unit's layers read by several threads (pieces small enough
+    that each unit has several runs): restored KV bit-exact, target and draft, and the
+    same output."""
     url = f"fs://{tmp_path / 'l3'}"
     tokens = prompt(23, 3 * CHUNK + 9)
     first = fill_l3(model_dirs, url, tokens, max_tokens=3, eagle=True)
+    assert first.worker.worker.l3._spread_pool is None  # off by default
     spread_fetches = []
     real = unit_fetch._read_runs
 
@@ -113,7 +115,8 @@ def test_restart_restores_with_each_unit_spread_over_threads(
         real(file, span, dest, runs, piece_bytes, spread)
 
     monkeypatch.setattr(unit_fetch, "_read_runs", counting)
-    second = l3_engine(model_dirs, url, eagle=True)
+    spread = {"enabled": True, "timeout_s": 2.0, "hit_policy": "always", "spread_reads": True}
+    second = l3_engine(model_dirs, url, eagle=True, extra_config={"l3": spread})
     l3 = second.worker.worker.l3
     assert l3 is not None
     l3.fetch_piece_bytes = 1024

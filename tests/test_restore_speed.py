@@ -39,6 +39,12 @@ def test_l3_runs_with_default_connector_settings_unless_a_flag_says_so() -> None
         "max_pending_write_bytes": 16 << 30,
     }
     assert extra["lmcache.extra_config"]["draft_offload.l3_staging_mb"] == 2048
+    spread = restore_engine.connector_config(args(l3_spread_reads=True))
+    assert spread["kv_connector_extra_config"]["l3"] == {
+        "enabled": True,
+        "log_decisions": True,
+        "spread_reads": True,
+    }
 
 
 def test_write_throughput_counts_whole_units_between_first_and_last_write(tmp_path: Path) -> None:

@@ -37,11 +37,16 @@ class L3Config(BaseModel):
     # of the CPU budget, never extra memory; past it a prompt's deepest queued
     # chunks are dropped (counted). None: half of cpu_bytes_to_use.
     max_pending_write_bytes: int | None = Field(default=None, gt=0)
-    # Threads per worker for storage reads (fs://: as many again read the bytes of the
-    # units in flight, earliest unit first: unit_fetch.py), and as many for writes.
-    # None: sized from the host (half the cores, 2 to 16).
+    # Threads per worker for storage reads (with spread_reads, as many again), and as
+    # many for writes. None: sized from the host (half the cores, 2 to 16).
     io_threads: int = Field(default_factory=lambda: default_io_threads(), ge=1, le=64)
     timeout_s: float = Field(default=5.0, gt=0)
+    # fs:// only: read the bytes of the units in flight on another io_threads threads,
+    # earliest unit first, each unit's layers on several at once (unit_fetch.py), so a
+    # fetch's units land one after another from its start. Off until a GPU host shows
+    # it pays: it takes the GIL per layer (36 reads and 36 hashes per unit at the 8B
+    # shape, against 9 and 9), and on a 2-core box it fetched at 0.6-0.9 x.
+    spread_reads: bool = False
     # cost: fetch the part of a storage hit that loads faster than it recomputes
     # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
     hit_policy: Literal["cost", "always", "never"] = "cost"

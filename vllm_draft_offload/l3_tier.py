@@ -155,11 +155,11 @@ class WorkerL3:
         self._read_pool = ThreadPoolExecutor(
             config.io_threads, thread_name_prefix="draft-offload-l3-read"
         )
-        # fs:// fetches read their units' bytes on these threads, earliest unit first
-        # (unit_fetch.py), so that a fetch's first units land early instead of all
-        # together after a whole unit's read; read-pool threads open units and wait.
+        # l3.spread_reads: fs:// fetches read their units' bytes on these threads,
+        # earliest unit first (unit_fetch.py), so that a fetch's first units land early
+        # instead of all together after a whole unit's read; read threads open and wait.
         self._spread_pool: RunPool | None = None
-        if self.store is not None and self.store.reads_files:
+        if config.spread_reads and self.store is not None and self.store.reads_files:
             self._spread_pool = RunPool(config.io_threads, "draft-offload-l3-spread")
         # Write queue: orders whose store completed, shallowest chunk first, each
         # written by whichever write task runs next (so a cancel can still take it).

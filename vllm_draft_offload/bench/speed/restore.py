@@ -18,7 +18,8 @@ another, on the same prompts:
   back into it (`l3_warm`: files, bytes and the read's GB/s).
 
 The L3 tier runs with the connector's DEFAULT settings; `--l3-io-threads`,
-`--l3-backlog-gib`, `--l3-staging-mb` and `--l3-hit-policy` override them. Only
+`--l3-backlog-gib`, `--l3-staging-mb`, `--l3-hit-policy` and `--l3-spread-reads` override
+them. Only
 `l3.log_decisions` is turned on (it changes no behaviour): each config's entry in
 the report keeps the connector's per-request storage decisions (`l3_decisions`:
 what the CPU tier and storage held, fetched or declined and why, estimated load and
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--l3-hit-policy", choices=("cost", "always", "never"), help="override l3.hit_policy"
     )
+    parser.add_argument("--l3-spread-reads", action="store_true", help="turn l3.spread_reads on")
     parser.add_argument(
         "--raw-gib", type=float, default=4.0, help="size of the raw disk baseline file"
     )
@@ -247,6 +249,8 @@ def run_shape(
         ):
             if value:
                 cmd += [flag, str(value)]
+        if getattr(args, "l3_spread_reads", False):
+            cmd.append("--l3-spread-reads")
         if draft:
             cmd += ["--draft", draft]
         if args.enforce_eager:

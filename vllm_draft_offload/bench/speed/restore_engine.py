@@ -37,6 +37,8 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
                 l3["max_pending_write_bytes"] = int(args.l3_backlog_gib * 2**30)
             if getattr(args, "l3_hit_policy", None):
                 l3["hit_policy"] = args.l3_hit_policy
+            if getattr(args, "l3_spread_reads", False):
+                l3["spread_reads"] = True
             extra["l3"] = l3
             extra["lmcache.remote_url"] = f"fs://{args.l3_dir}"
             lmcache_extra: dict[str, Any] = {"save_chunk_meta": True}
