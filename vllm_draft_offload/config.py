@@ -45,7 +45,7 @@ class L3Config(BaseModel):
     # earliest unit first, each unit's layers on several at once (unit_fetch.py), so a
     # fetch's units land one after another from its start. Off until a GPU host shows
     # it pays: it takes the GIL per layer (36 reads and 36 hashes per unit at the 8B
-    # shape, against 9 and 9), and on a 2-core box it fetched at 0.6-0.9 x.
+    # shape, against 9 and 9), and on a 2-core box it fetched at 0.68-0.97 x.
     spread_reads: bool = False
     # cost: fetch the part of a storage hit that loads faster than it recomputes
     # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
