@@ -20,8 +20,8 @@ def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
     assert rc == 0
     report = json.loads(out.read_text())
     for mode in ("cold", "warm"):
-        # the worker's path (units spread over threads) beside one unit per thread
-        for path in ("", "_unit_per_thread"):
+        # the worker's default path (one unit per thread) beside l3.spread_reads'
+        for path in ("", "_spread"):
             assert set(report[f"fetch_GBps{path}"][mode]) == {"1", "2"}
             assert all(v > 0 for v in report[f"fetch_GBps{path}"][mode].values())
             assert all(v > 0 for v in report[f"first_unit_s{path}"][mode].values())
@@ -52,7 +52,7 @@ def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> N
              "--reps", "1", "--modes", "warm"]
         )  # fmt: skip
     assert set(report["fetch_GBps"]) == {"warm"} and "raw" not in report
-    assert "fetch_GBps_unit_per_thread" not in report  # Redis objects arrive whole
+    assert "fetch_GBps_spread" not in report  # Redis objects arrive whole
 
 
 def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path) -> None:

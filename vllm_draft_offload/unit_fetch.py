@@ -26,10 +26,11 @@ Spread over threads (``spread``, fs:// only): one unit's layers are read and ver
 several threads at once, in runs of whole layers of about ``piece_bytes``, each layer
 checked against its own digest in the header, the earliest unit's runs first
 (run_pool.py), while the caller waits. The layers tile the payload (checked
-first), so every byte is verified, as by the payload digest. A unit then lands in about
-1 / threads of the time one thread takes: with one unit per thread, the first of a
-fetch's units landed only after a whole unit's read (21 ms at 37.7 MB on an H100 host),
-as long as a request's whole wait allowance, and no unit of a probe round landed in it.
+first), so every byte is verified, as by the payload digest. The aim is a unit landing
+in about 1 / threads of the time one thread takes (not yet measured on a GPU host): with
+one unit per thread, the first of a fetch's units landed only after a whole unit's read
+(21 ms at 37.7 MB on an H100 host), as long as a request's whole wait allowance, and no
+unit of a probe round landed in it.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ own path: read straight into a host slot, verifying each piece as it lands) from
 threads, and reports GB/s per thread count. This is the CPU side of an L3 hit; GPU
 time is not involved.
 
-For fs://, each pass runs twice side by side: the worker's path, where N threads take
-a unit each and spread its layers over another N (``fetch_GBps``), and one unit per
-thread, read by that thread alone (``fetch_GBps_unit_per_thread``). Each also
-reports when the first unit landed (``first_unit_s``), which is what a request's wait
-allowance has to cover before anything it waits for has arrived.
+For fs://, each pass runs twice side by side: the worker's default path, one unit per
+thread, read by that thread alone (``fetch_GBps``), and ``l3.spread_reads``' path,
+where N threads take a unit each and spread its layers over another N
+(``fetch_GBps_spread``). Each also reports when the first unit landed
+(``first_unit_s``, ``first_unit_s_spread``), which is what a request's wait allowance
+has to cover before anything it waits for has arrived.
 
 * ``warm``: the units' files are in the page cache (a first pass puts them there).
 * ``cold`` (fs:// only): before every pass the units' files are evicted from the page
@@ -85,7 +86,7 @@ def read_all(
 ) -> tuple[float, float]:
     """Seconds to fetch, verify and copy every unit into its own host slot, and until
     the first one had landed. `spread`: each unit's layers over another `threads`
-    threads, as the worker reads fs:// units."""
+    threads, as the worker reads fs:// units with l3.spread_reads."""
     slot_bytes = sum(layer.nbytes for layer in expected.layers)
     slots = np.ones((units, slot_bytes), dtype=np.uint8)  # touched, like the host pool
     landed = [float("inf")] * units
@@ -159,11 +160,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         timeout_s=600,
     )
-    # path -> mode -> threads -> GB/s, and seconds until the first unit landed; the
-    # worker spreads fs:// units over threads, other backends' arrive whole
-    paths = {"": directory is not None}
+    # path (its report keys' suffix) -> spread?; then path -> mode -> threads -> GB/s,
+    # and seconds until the first unit landed. Only fs:// units can be spread: other
+    # backends' arrive whole.
+    paths = {"": False}
     if directory is not None:
-        paths["_unit_per_thread"] = False
+        paths["_spread"] = True
     fetch: dict[str, dict[str, dict[str, float]]] = {p: {m: {} for m in modes} for p in paths}
     first: dict[str, dict[str, dict[str, float]]] = {p: {m: {} for m in modes} for p in paths}
     cold_method = None

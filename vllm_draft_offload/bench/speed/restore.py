@@ -19,8 +19,7 @@ another, on the same prompts:
 
 The L3 tier runs with the connector's DEFAULT settings; `--l3-io-threads`,
 `--l3-backlog-gib`, `--l3-staging-mb`, `--l3-hit-policy` and `--l3-spread-reads` override
-them. Only
-`l3.log_decisions` is turned on (it changes no behaviour): each config's entry in
+them. Only `l3.log_decisions` is turned on (it changes no behaviour): each config's entry in
 the report keeps the connector's per-request storage decisions (`l3_decisions`:
 what the CPU tier and storage held, fetched or declined and why, estimated load and
 recompute times, the probe) and the tail of the child's output (`log_tail`). The
