@@ -217,6 +217,26 @@ def test_a_fetch_slower_than_its_estimate_stops_waiting() -> None:
     assert wait
 
 
+def test_without_wait_past_allowance_a_request_stops_at_its_allowance() -> None:
+    """Session 9, H100: partial hits waited past their allowance while their first round
+    looked on pace, then gave up, at 1.16-1.29 x recompute. With
+    l3.wait_past_allowance off, the allowance is the end, in every phase."""
+    args = dict(first_chunk=0, num_chunks=64, landed=3, coming=61)
+    lenient, strict = _model(unit_s=0.0001), _model(unit_s=0.0001)
+    strict.wait_past_allowance = False
+    allowance = lenient.wait_allowance_s(0, 64, 3)
+    for model in (lenient, strict):  # a lookup past the allowance, within its round trips
+        model.storage.round_trip_s = allowance
+    for phase in ("lookup", "fetch"):
+        # Within the allowance both wait; past it, on pace and just progressed, only the
+        # lenient one does.
+        assert lenient.may_wait(phase, allowance / 2, 0.0, **args) == (True, allowance)
+        assert strict.may_wait(phase, allowance / 2, 0.0, **args) == (True, allowance)
+        past = allowance * 1.01
+        assert lenient.may_wait(phase, past, 0.0, fetch_s=0.001, fetched=3, **args)[0]
+        assert not strict.may_wait(phase, past, 0.0, fetch_s=0.001, fetched=3, **args)[0]
+
+
 def _model(unit_s: float) -> CostModel:
     model = CostModel(chunk_size=256, unit_bytes=1 << 20, parallel=2)
     for tokens in (1, 1, 1, 256, 512, 1024, 2048, 4096):

@@ -17,7 +17,7 @@ import pytest
 from kv_sim import SimEngine, prompt
 from test_l3_tier import CHUNK, L3_EXTRA, l3_engine
 
-from vllm_draft_offload import l3_tier
+from vllm_draft_offload import l3_tier, unit_write
 from vllm_draft_offload.chunk_keys import ChunkKeyChain
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.cpu_index import CpuTierIndex
@@ -242,7 +242,8 @@ def test_failed_write_releases_its_pins(
         assert pool is not None
         monkeypatch.setattr(pool, "unit_view", boom)
     else:
-        monkeypatch.setattr(l3_tier, "encode_unit_into", boom)
+        # Every byte copied (the slot released), then the header fails.
+        monkeypatch.setattr(unit_write, "header_with_digests", boom)
     eng.add_request("r", prompt(50, 3 * CHUNK + 4), max_tokens=1)
     eng.run_until_done()
     settle_writes(eng)
@@ -327,13 +328,13 @@ def test_writes_of_one_store_job_run_in_parallel(
     worker_l3 = eng.worker.worker.l3
     assert worker_l3 is not None and worker_l3.write_threads == 4
     barrier = threading.Barrier(4, timeout=10)
-    real_encode = l3_tier.encode_unit_into
+    real_encode = l3_tier.copy_unit_into
 
     def encode_together(*args: object, **kwargs: object) -> object:
         barrier.wait()
         return real_encode(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(l3_tier, "encode_unit_into", encode_together)
+    monkeypatch.setattr(l3_tier, "copy_unit_into", encode_together)
     eng.add_request("r", prompt(53, 4 * CHUNK + 2), max_tokens=1)
     eng.run_until_done()
     settle_writes(eng)
@@ -393,12 +394,13 @@ def test_full_cpu_tier_drops_queued_tails_instead_of_blocking_stores(
         store.close()
 
 
-def test_writes_go_one_at_a_time_while_a_request_waits_on_storage(
+def test_writes_are_held_while_a_request_waits_on_storage(
     model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Write-behind yields to the fetches a request waits on: while the scheduler says a
-    request waits on storage (with every step), a worker starts a write only when no
-    other runs; before, writes run in parallel; every write still lands."""
+    request waits on storage (with every step), a worker starts no write for
+    WRITES_HELD_MAX_S, then one only when no other runs; before, writes run in parallel;
+    every write still lands."""
     url = f"fs://{tmp_path / 'l3'}"
     hit_tokens = prompt(54, 3 * CHUNK + 2)
     first = l3_engine(model_dirs, url)
@@ -413,14 +415,16 @@ def test_writes_go_one_at_a_time_while_a_request_waits_on_storage(
     assert worker_l3 is not None and worker_l3.write_threads == 2
     gate = threading.Event()
     starts: list[tuple[bool, int]] = []  # (writes held, writes in flight) as each starts
-    real_encode = l3_tier.encode_unit_into
+    started_at: list[float] = []
+    real_copy = l3_tier.copy_unit_into
 
-    def encode_when_let(*args: object, **kwargs: object) -> object:
+    def copy_when_let(*args: object, **kwargs: object) -> object:
         starts.append((worker_l3._hold_writes, worker_l3._writes_in_flight))
+        started_at.append(time.monotonic())
         gate.wait(10)
-        return real_encode(*args, **kwargs)  # type: ignore[arg-type]
+        return real_copy(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(l3_tier, "encode_unit_into", encode_when_let)
+    monkeypatch.setattr(l3_tier, "copy_unit_into", copy_when_let)
     eng.add_request("fresh", prompt(55, 6 * CHUNK + 2), max_tokens=1)
     serve(eng)
     deadline = time.monotonic() + 10
@@ -434,10 +438,13 @@ def test_writes_go_one_at_a_time_while_a_request_waits_on_storage(
     eng.add_request("hit", hit_tokens, max_tokens=2)
     eng.step()  # its lookup starts; the step's metadata tells the worker
     assert worker_l3._hold_writes
+    held_at = time.monotonic()
     gate.set()
     assert worker_l3.flush(10)  # no step meanwhile: the request still waits
     assert len(starts) == 6
     assert starts[2:] == [(True, 1)] * 4
+    # The two writes running went on; the next started only once the hold ran out.
+    assert started_at[2] - held_at >= l3_tier.WRITES_HELD_MAX_S - 0.01
 
     eng.run_prefill("hit")
     assert eng.external_hits["hit"] == 3 * CHUNK

@@ -47,6 +47,30 @@ def test_l3_runs_with_default_connector_settings_unless_a_flag_says_so() -> None
     }
 
 
+def test_l3_variants_are_warm_restarts_with_their_settings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--l3-variants: more warm restarts, each with its settings and fresh prompts of its
+    own (a prompt another restart prefilled would hit storage)."""
+    assert restore_speed.variant_engine("spread+strict") == "ours_l3_spread_strict"
+    variant = args(config="ours_l3_spread_strict", l3_variant="spread+strict")
+    assert restore_engine.is_restart(variant) and not restore_engine.is_restart(args())
+    assert restore_engine.connector_config(variant)["kv_connector_extra_config"]["l3"] == {
+        "enabled": True,
+        "log_decisions": True,
+        "spread_reads": True,
+        "wait_past_allowance": False,
+    }
+    for bad in (
+        ["--l3-variants", "fast"],
+        ["--l3-variants", "spread+spread"],
+        ["--l3-variants", "strict"],
+    ):
+        with pytest.raises(SystemExit):
+            restore_speed.main(["--out", "/tmp/never.json", "--configs", "ours", *bad])
+        assert "--l3-variants" in capsys.readouterr().err
+
+
 def test_write_throughput_counts_whole_units_between_first_and_last_write(tmp_path: Path) -> None:
     now = time.time_ns()
     for i in range(4):
@@ -108,6 +132,14 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
     assert restart["first_prompt_vs_first_request_recompute"] == 0.2 / 0.8
     assert restart["storage_decisions"] == ["L3 decision req=3 policy=cost: x"]
     assert summary["raw_disk"]["read_cold_GBps"] == {"1": 1.2}
+    assert "ours_l3_restart_strict" not in summary
+    report["configs"]["ours_l3_strict"] = {
+        "fresh_s": [0.5], "hit_s": [0.25, 0.3], "hit_cached": [1023, 512],
+    }  # fmt: skip
+    restore_report.summarize(report)
+    strict = report["summary"]["ours_l3_restart_strict"]
+    assert strict["ttft_vs_recompute_per_prompt"] == [0.5, 0.6]
+    assert strict["hit_tokens_per_prompt"] == [1023, 512]
 
 
 def test_connector_log_keeps_decisions_and_the_tail() -> None:

@@ -50,6 +50,13 @@ class L3Config(BaseModel):
     # cost: fetch the part of a storage hit that loads faster than it recomputes
     # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
     hit_policy: Literal["cost", "always", "never"] = "cost"
+    # Under `cost`, a request waits on storage for its allowance: 5 % of the estimated
+    # recompute of the chunks it looks up, plus the recompute the landed ones save
+    # (the bound: a hit costs at most recompute + 5 %). True: also past it, while the
+    # lookup answers within two round trips or the fetch keeps its measured pace and
+    # beats recomputing the rest; a storage whose first units land late is then still
+    # used, at the cost of that bound (session 9: partial hits at 1.16-1.29 x).
+    wait_past_allowance: bool = True
     # At shutdown, how long a worker waits for queued writes to land; the rest are
     # counted as l3_write_lost_shutdown.
     flush_timeout_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)

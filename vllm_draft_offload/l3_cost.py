@@ -283,8 +283,10 @@ class CostModel:
         unit_bytes: int,
         parallel: int,
         clock: Callable[[], float] = time.perf_counter,
+        wait_past_allowance: bool = True,
     ) -> None:
         self.chunk_size = chunk_size
+        self.wait_past_allowance = wait_past_allowance
         self._clock = clock
         self.storage = StorageEstimate(unit_bytes, parallel)
         self.prefill = PrefillEstimate()
@@ -372,10 +374,11 @@ class CostModel:
         chunks [first_chunk, first_chunk + num_chunks): `landed` leading ones are in,
         `coming` more are being fetched. Always within wait_allowance_s, the bound on
         the worst case. While the storage is unmeasured (a `probe`) nothing more. Once
-        it is measured, also while the lookup is within two round trips, or while the
-        fetch keeps the measured pace (progress within two unit times) and finishing
-        it at that pace beats recomputing what has not landed; both give two engine
-        steps more, as an answer reaches the scheduler only with a step.
+        it is measured, and unless `wait_past_allowance` is off, also while the lookup
+        is within two round trips, or while the fetch keeps the measured pace (progress
+        within two unit times) and finishing it at that pace beats recomputing what has
+        not landed; both give two engine steps more, as an answer reaches the
+        scheduler only with a step.
 
         `fetched` units landed in the `fetch_s` seconds since this fetch began: at
         that pace the rest must also beat recomputing it (a fetch on storage that
@@ -384,7 +387,7 @@ class CostModel:
         if waited_s < allowance:
             return True, allowance
         storage = self.storage
-        if phase == "probe" or storage.samples == 0:
+        if not self.wait_past_allowance or phase == "probe" or storage.samples == 0:
             return False, allowance
         if phase == "lookup":
             return waited_s < 2 * (storage.round_trip_s + self.step_s), allowance

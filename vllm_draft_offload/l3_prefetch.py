@@ -103,7 +103,12 @@ class L3Prefetch:
         self.timeout_s = config.timeout_s
         self.hit_policy = config.hit_policy
         self.stats = stats
-        self.cost = CostModel(chunk_size, unit_bytes, config.io_threads)
+        self.cost = CostModel(
+            chunk_size,
+            unit_bytes,
+            config.io_threads,
+            wait_past_allowance=config.wait_past_allowance,
+        )
         self.log = DecisionLog(config.log_decisions)
         # The prefill speed of an earlier engine like this one (None: not shared).
         self.calibration: Calibration | None = None

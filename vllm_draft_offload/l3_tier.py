@@ -22,8 +22,6 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_errors import L3Error
@@ -31,14 +29,10 @@ from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.transfers import HostPool
-from vllm_draft_offload.unit_codec import (
-    LayerSpec,
-    UnitRejected,
-    encode_unit_into,
-    unit_frame,
-)
+from vllm_draft_offload.unit_codec import LayerSpec, UnitRejected, unit_frame
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
+from vllm_draft_offload.unit_write import copy_unit_into
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +71,14 @@ def open_store(config: L3Config, unit_bytes: int = 0) -> L3Store | None:
 
 # Room for a unit's header in a staging buffer (generous: layer table and checksums).
 STAGING_HEADER_BYTES = 64 << 10
-# Writes in flight per worker while a request waits on storage (hold_writes): the
-# fetches it waits on get the cores, memory bandwidth and GIL that write-behind (a
-# copy, two hash passes and a file write per unit) would take, and writes still drain.
-WRITES_WHILE_READS_WAIT = 1
+# While a request waits on storage (hold_writes), no write starts for up to this long:
+# the fetches it waits on get the cores, memory bandwidth and GIL that write-behind (a
+# copy and a file write per unit) would take. On an H100 host a restart's fetches landed
+# 7 units in 73 ms while the previous prompt's write-behind was likely still draining one
+# write at a time, against 64 in 0.21 s for the first prompt, with nothing to write
+# (session 10). Past it, one write at a time, so write-behind still drains under a
+# steady stream of storage hits.
+WRITES_HELD_MAX_S = 0.5
 
 
 def write_concurrency(io_threads: int, store: L3Store | None, unit_bytes: int) -> int:
@@ -170,6 +168,7 @@ class WorkerL3:
         self._cancelled: set[int] = set()
         self._writes_in_flight = 0
         self._hold_writes = False
+        self._held_since = 0.0
         self._write_seq = itertools.count()
         self.lost_at_shutdown = 0
         # (released | ok | failed, write id), drained into the worker metadata.
@@ -253,11 +252,21 @@ class WorkerL3:
 
     def hold_writes(self, hold: bool) -> None:
         """While `hold` (a request waits on storage: the scheduler says so with every
-        step), at most WRITES_WHILE_READS_WAIT writes run at once."""
+        step), no write starts for WRITES_HELD_MAX_S, then one at a time."""
         with self._write_cv:
             if hold != self._hold_writes:
                 self._hold_writes = hold
+                self._held_since = time.monotonic()
                 self._write_cv.notify_all()
+
+    def _writes_allowed(self) -> tuple[int | None, float | None]:
+        """(writes that may run now, None: no limit; seconds until that changes)."""
+        if not self._hold_writes:
+            return None, None
+        held_s = time.monotonic() - self._held_since
+        if held_s < WRITES_HELD_MAX_S:
+            return 0, WRITES_HELD_MAX_S - held_s
+        return 1, None
 
     def pending_writes(self) -> int:
         with self._write_cv:
@@ -276,8 +285,11 @@ class WorkerL3:
 
     def _write_next(self) -> None:
         with self._write_cv:
-            while self._hold_writes and self._writes_in_flight >= WRITES_WHILE_READS_WAIT:
-                self._write_cv.wait()
+            while True:
+                allowed, recheck_s = self._writes_allowed()
+                if allowed is None or self._writes_in_flight < allowed:
+                    break
+                self._write_cv.wait(recheck_s)
             order = None
             while self._write_heap:
                 _, _, candidate = heapq.heappop(self._write_heap)
@@ -316,16 +328,15 @@ class WorkerL3:
             )
             frame = unit_frame(**fields)
 
-            def fill(buf: memoryview) -> None:
-                nonlocal released
-                payload = torch.frombuffer(
-                    buf, dtype=torch.uint8, count=frame.payload_nbytes, offset=frame.header_nbytes
-                )
-                payload.copy_(self.pool.unit_view(order.slot))
+            def release() -> None:
                 # The bytes are LMCache's now: the slot may be reused from here on.
+                nonlocal released
                 released = True
                 self.write_reports.put(("released", order.write_id))
-                encode_unit_into(buf, frame, **fields)
+
+            def fill(buf: memoryview) -> None:
+                slot = memoryview(self.pool.unit_view(order.slot).numpy())
+                copy_unit_into(buf, frame, slot, on_copied=release, **fields)
 
             store.put_with(object_key(order.chunk_key, self.rank), frame.nbytes, fill)
             ok = True

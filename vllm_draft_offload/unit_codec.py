@@ -152,27 +152,57 @@ def make_header(
 ) -> UnitHeader:
     """Build the header for ``payload``, where the layers are packed back to back in order."""
     mv = memoryview(payload).cast("B")
-    entries: list[LayerEntry] = []
+    specs = [raw if isinstance(raw, LayerSpec) else LayerSpec(*raw) for raw in layers]
+    digests = []
     offset = 0
-    for raw in layers:
-        spec = raw if isinstance(raw, LayerSpec) else LayerSpec(*raw)
+    for spec in specs:
         end = offset + spec.nbytes
         if end > mv.nbytes:
             raise ValueError(f"layer {spec.name!r} runs past the payload ({end} > {mv.nbytes})")
-        entries.append(
-            LayerEntry(spec.name, spec.is_draft, offset, spec.nbytes, checksum(mv[offset:end]))
-        )
+        digests.append(checksum(mv[offset:end]))
         offset = end
     if offset != mv.nbytes:
         raise ValueError(f"layers cover {offset} bytes but the payload has {mv.nbytes}")
+    return header_with_digests(
+        key=key,
+        geometry_fingerprint=geometry_fingerprint,
+        drafter_id=drafter_id,
+        num_tokens=num_tokens,
+        layers=specs,
+        layer_digests=digests,
+        payload_digest=checksum(mv),
+        successor_tokens=successor_tokens,
+    )
+
+
+def header_with_digests(
+    *,
+    key: str,
+    geometry_fingerprint: str,
+    drafter_id: str,
+    num_tokens: int,
+    layers: Sequence[LayerSpec],
+    layer_digests: Sequence[str],
+    payload_digest: str,
+    successor_tokens: Sequence[int] = (),
+) -> UnitHeader:
+    """The header of a payload whose layers (back to back, in order) and whole bytes
+    hash to ``layer_digests`` and ``payload_digest`` (``checksum``'s hex digests)."""
+    if len(layer_digests) != len(layers):
+        raise ValueError(f"{len(layer_digests)} digests for {len(layers)} layers")
+    entries: list[LayerEntry] = []
+    offset = 0
+    for spec, digest in zip(layers, layer_digests, strict=True):
+        entries.append(LayerEntry(spec.name, spec.is_draft, offset, spec.nbytes, digest))
+        offset += spec.nbytes
     return UnitHeader(
         key=key,
         geometry_fingerprint=geometry_fingerprint,
         drafter_id=drafter_id,
         num_tokens=num_tokens,
         layers=tuple(entries),
-        payload_checksum=checksum(mv),
-        payload_nbytes=mv.nbytes,
+        payload_checksum=payload_digest,
+        payload_nbytes=offset,
         successor_tokens=tuple(int(t) for t in successor_tokens),
     )
 
@@ -314,11 +344,16 @@ def encode_unit_into(
         payload=out[frame.header_nbytes :],
         successor_tokens=successor_tokens,
     )
+    write_header_into(out, frame, header)
+    return header
+
+
+def write_header_into(out: memoryview, frame: UnitFrame, header: UnitHeader) -> None:
+    """Write ``header``, framed, in front of the payload at ``out[frame.header_nbytes:]``."""
     framed = _framed_header(header)
     if len(framed) != frame.header_nbytes:  # checksums are fixed-length hex
         raise AssertionError(f"header is {len(framed)} bytes, framed {frame.header_nbytes}")
     out[: frame.header_nbytes] = framed
-    return header
 
 
 def pack_unit(

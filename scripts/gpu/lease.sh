@@ -14,6 +14,8 @@
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart,
 #             then l3-stages (the fetch path's stages against a plain read)
 #   l3-restart  the same restore-speed alone (fill, cold and warm restart), about 5 min
+#   l3-variants  restore-speed with three more warm restarts (l3.spread_reads on,
+#             l3.wait_past_allowance off, both), then l3-speed (about 9.5 min)
 #   hybrid-speed  restore-speed at the gpt-oss-20b-like shape (sliding windows, 16k
 #             prompts): recompute, native, ours (about 5 min, estimated)
 #   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and
@@ -66,6 +68,13 @@ accept_cmd() {
 
 L3_RESTART="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
   --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json"
+# Default settings, then warm restarts with l3.spread_reads on, and with it and
+# l3.wait_past_allowance off; then the fetch paths alone against raw reads.
+L3_VARIANTS="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+  --l3-variants spread,strict,spread+strict --l3-dir /root/l3v --drop-caches \
+  --out /root/restore_speed_l3_variants.json
+  vllm-draft-offload l3-speed --url fs:///root/l3-speed --threads 1,4,8 --units 16 \
+    --drop-caches --out /root/l3_speed.json"
 # The foreground command of each background phase.
 declare -A CMD=(
   [fx]="bash scripts/gpu/fixtures.sh /root/fx --only target"
@@ -74,6 +83,7 @@ declare -A CMD=(
   [pressure-l3]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure-l3 \
     --cpu-fraction 0.1 --l3-hit-policy always"
   [l3-restart]="$L3_RESTART"
+  [l3-variants]="$L3_VARIANTS"
   [l3]="$L3_RESTART
     vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
       --engine-loop-ms 0,0.5,5 --writes 0,32 --switch-interval-ms 5,0.5 --out /root/l3_stages.json"
@@ -102,7 +112,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|accept|serve|pressure|pressure-l3|l3|l3-restart|decode|soak|hybrid|hybrid-speed)
+fx|accept|serve|pressure|pressure-l3|l3|l3-restart|l3-variants|decode|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -156,7 +166,7 @@ collect)
   [ -f /root/pressure/pressure.json ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$C"/
   [ -f /root/pressure-l3/pressure.json ] && mkdir -p "$C/pressure-l3" &&
     cp /root/pressure-l3/pressure.json /root/pressure-l3/pressure.md "$C/pressure-l3"/
-  cp /root/restore_speed_*.json /root/l3_stages.json /root/decode_*.json "$C"/ 2>/dev/null
+  cp /root/restore_speed_*.json /root/l3_stages.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
   tar -czf /root/lease.tgz -C /root collect
   if [ "$(stat -c %s /root/lease.tgz)" -le $((15 << 20)) ]; then

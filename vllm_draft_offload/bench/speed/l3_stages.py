@@ -42,8 +42,9 @@ Scenarios are every combination of ``--switch-interval-ms``, ``--piece-kib``,
   write-behind a fresh prompt leaves) right before the fetches start, as in
   ``restore-speed``'s warm restart, where each restored prompt follows a fresh one.
   Their files are removed after each pass. Each such scenario runs twice: writes as
-  they run with no request waiting (``writes_held: false``), and held to one at a time
-  (``WorkerL3.hold_writes``), as they are while a request waits on storage.
+  they run with no request waiting (``writes_held: false``), and held
+  (``WorkerL3.hold_writes``: none start for ``WRITES_HELD_MAX_S``, then one at a time),
+  as they are while a request waits on storage.
 
 GB/s figures are the best of ``--reps`` passes. The directory should be on the disk
 (or tmpfs) whose page cache a restarted engine would read from.

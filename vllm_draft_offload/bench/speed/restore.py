@@ -15,7 +15,10 @@ another, on the same prompts:
   fresh engine (empty CPU tier) hits every prompt from L3, and once more from the
   CPU tier. That restart runs twice: `ours_l3_cold` after the units' files were
   evicted from the page cache, `ours_l3` (warm) after every unit file was read
-  back into it (`l3_warm`: files, bytes and the read's GB/s).
+  back into it (`l3_warm`: files, bytes and the read's GB/s). `--l3-variants` adds
+  more warm restarts after it, each with other settings (`spread`: `l3.spread_reads`
+  on; `strict`: `l3.wait_past_allowance` off; `spread+strict`: both), so they are
+  measured side by side against the same stored units and page cache.
 
 The L3 tier runs with the connector's DEFAULT settings; `--l3-io-threads`,
 `--l3-backlog-gib`, `--l3-staging-mb`, `--l3-hit-policy` and `--l3-spread-reads` override
@@ -73,7 +76,7 @@ from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.copy import pinned_memcpy_gbps
 from vllm_draft_offload.bench.speed.disk_baseline import cache, evict, measure
 from vllm_draft_offload.bench.speed.l3_dir import calibration_samples, unit_files
-from vllm_draft_offload.bench.speed.restore_engine import run_config
+from vllm_draft_offload.bench.speed.restore_engine import VARIANT_SETTINGS, run_config
 from vllm_draft_offload.bench.speed.restore_report import combine, connector_log, summarize
 from vllm_draft_offload.bench.speed.shapes import (
     SHAPES,
@@ -95,6 +98,16 @@ MODULE = "vllm_draft_offload.bench.speed.restore"
 
 def pinned_h2d_gbps(gib: float) -> float:
     return pinned_memcpy_gbps(int(gib * 2**30), to_device=True)
+
+
+def variant_engine(variant: str) -> str:
+    """The engine name of a warm-restart variant ("spread+strict" -> ours_l3_spread_strict);
+    ValueError names an unknown setting."""
+    parts = variant.split("+")
+    unknown = [part for part in parts if part not in VARIANT_SETTINGS]
+    if unknown or len(set(parts)) != len(parts):
+        raise ValueError(f"{variant!r}: give distinct settings of {', '.join(VARIANT_SETTINGS)}")
+    return "ours_l3_" + "_".join(parts)
 
 
 def pinned_d2h_gbps(gib: float) -> float:
@@ -135,6 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--l3-spread-reads", action="store_true", help="turn l3.spread_reads on")
     parser.add_argument(
+        "--l3-variants",
+        default="",
+        help="more warm restarts after ours_l3's, comma-separated, each a '+'-joined set "
+        f"of {', '.join(VARIANT_SETTINGS)} (e.g. spread,spread+strict)",
+    )
+    parser.add_argument(
         "--raw-gib", type=float, default=4.0, help="size of the raw disk baseline file"
     )
     parser.add_argument("--raw-threads", default="1,4", help="thread counts of the raw reads")
@@ -144,7 +163,15 @@ def main(argv: list[str] | None = None) -> None:
         help="cold passes drop the whole host's page cache (root) instead of the unit files'",
     )
     add_child_args(parser)
+    parser.add_argument("--l3-variant", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--fresh-seed", type=int, default=200, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        variants = [variant_engine(v) for v in args.l3_variants.split(",") if v]
+    except ValueError as e:
+        parser.error(f"--l3-variants: {e}")
+    if variants and "ours_l3" not in args.configs.split(","):
+        parser.error("--l3-variants: they restart from ours_l3's units; add ours_l3 to --configs")
     if args.child:
         Path(args.child).write_text(json.dumps(run_config(args)))
         return
@@ -211,6 +238,13 @@ def run_shape(
     engines = []
     for config in args.configs.split(","):
         engines += ["ours_l3_fill", "ours_l3_cold", "ours_l3"] if config == "ours_l3" else [config]
+    # Variant engine -> its settings and the seed of its fresh prompts: each restart
+    # prefills prompts no other engine wrote to storage.
+    variants = {
+        variant_engine(v): (v, 300 + 100 * i)
+        for i, v in enumerate(v for v in args.l3_variants.split(",") if v)
+    }
+    engines += list(variants)
     if "ours_l3_fill" in engines and unit_files(l3_dir):
         # Units of an earlier run would count as written and hit after the restart.
         raise SystemExit(f"--l3-dir {l3_dir} already holds units: give an empty directory")
@@ -227,7 +261,7 @@ def run_shape(
     for config in progress(engines, f"restore-speed {name}"):
         if config == "ours_l3_cold":
             report["l3_cold_method"] = evict(unit_files(l3_dir), args.drop_caches)
-        if config == "ours_l3":
+        if config == "ours_l3" or config in variants:
             # The cold restart left most files evicted: read them all back first, or
             # the "warm" restart reads cold files (seen on an H100: 175 ms per unit).
             report["l3_warm"] = cache(unit_files(l3_dir))
@@ -250,6 +284,9 @@ def run_shape(
                 cmd += [flag, str(value)]
         if getattr(args, "l3_spread_reads", False):
             cmd.append("--l3-spread-reads")
+        if config in variants:
+            variant, seed = variants[config]
+            cmd += ["--l3-variant", variant, "--fresh-seed", str(seed)]
         if draft:
             cmd += ["--draft", draft]
         if args.enforce_eager:

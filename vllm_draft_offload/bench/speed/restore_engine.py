@@ -12,6 +12,16 @@ from vllm_draft_offload.bench.speed.l3_dir import unit_files, wait_for_l3_files,
 from vllm_draft_offload.bench.speed.shapes import VOCAB
 
 STORED_BYTES = "vllm:draft_offload_stored_bytes_total"
+# restore-speed --l3-variants: the l3 settings each variant's warm restart changes.
+VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
+    "spread": {"spread_reads": True},
+    "strict": {"wait_past_allowance": False},
+}
+
+
+def is_restart(args: argparse.Namespace) -> bool:
+    """A restarted engine: hits every prompt from storage, then from its CPU tier."""
+    return args.config in ("ours_l3", "ours_l3_cold") or bool(getattr(args, "l3_variant", ""))
 
 
 def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -39,6 +49,8 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
                 l3["hit_policy"] = args.l3_hit_policy
             if getattr(args, "l3_spread_reads", False):
                 l3["spread_reads"] = True
+            for part in filter(None, getattr(args, "l3_variant", "").split("+")):
+                l3.update(VARIANT_SETTINGS[part])
             extra["l3"] = l3
             extra["lmcache.remote_url"] = f"fs://{args.l3_dir}"
             lmcache_extra: dict[str, Any] = {"save_chunk_meta": True}
@@ -169,9 +181,9 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
 
     results: dict[str, Any] = {"config": args.config, "fresh_s": []}
-    if args.config in ("ours_l3", "ours_l3_cold"):
-        # Prompts neither the fill engine nor the other restart wrote to storage.
-        fresh_seed = 100 if args.config == "ours_l3_cold" else 200
+    if is_restart(args):
+        # Prompts neither the fill engine nor another restart wrote to storage.
+        fresh_seed = 100 if args.config == "ours_l3_cold" else getattr(args, "fresh_seed", 200)
         for rep in range(args.reps):
             hit(rep, results)  # from L3: this engine's CPU tier starts empty
             hit(rep, results, "cpu_")

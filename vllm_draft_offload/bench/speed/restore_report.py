@@ -39,6 +39,10 @@ def summarize(report: dict[str, Any]) -> None:
         "ours_l3_restart": configs.get("ours_l3", {}),
         "ours_l3_restart_cold": configs.get("ours_l3_cold", {}),
     }
+    # restore-speed --l3-variants: more warm restarts, other settings.
+    for config, result in configs.items():
+        if config.startswith("ours_l3_") and config not in ("ours_l3_fill", "ours_l3_cold"):
+            hits[f"ours_l3_restart_{config.removeprefix('ours_l3_')}"] = result
     for name, result in hits.items():
         hit = result.get("hit_s")
         if not hit:

@@ -1,0 +1,91 @@
+"""The one-pass unit writer (unit_write.py) makes exactly the blob the codec makes of the
+same payload, whatever the piece size against the layer boundaries."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_draft_offload.unit_codec import (
+    LayerSpec,
+    UnitRejected,
+    pack_unit,
+    unit_frame,
+    verify_layer,
+)
+from vllm_draft_offload.unit_verify import ExpectedUnit, decode_unit
+from vllm_draft_offload.unit_write import copy_unit_into
+
+KEY = "ab" * 16
+FIELDS = {"key": KEY, "geometry_fingerprint": "fp", "drafter_id": "d", "num_tokens": 16}
+
+
+def _write(sizes: list[int], piece_bytes: int, seed: int = 0) -> tuple[bytes, bytes, list]:
+    """(copy_unit_into's blob, pack_unit's blob, the layers)."""
+    rng = random.Random(seed)
+    layers = [(f"l{i}", i % 3 == 2, rng.randbytes(n)) for i, n in enumerate(sizes)]
+    specs = [LayerSpec(name, draft, len(data)) for name, draft, data in layers]
+    succ = (7, 8)
+    frame = unit_frame(layers=specs, successor_tokens=succ, **FIELDS)
+    out = bytearray(b"\xee" * frame.nbytes)
+    source = bytearray(b"".join(data for _, _, data in layers))
+    copied = []
+    header = copy_unit_into(
+        memoryview(out), frame, memoryview(source), layers=specs, successor_tokens=succ,
+        on_copied=lambda: copied.append(bytes(out[frame.header_nbytes :]) == bytes(source)),
+        piece_bytes=piece_bytes, **FIELDS,
+    )  # fmt: skip
+    assert copied == [True]  # called once, with every byte copied
+    _, blob = pack_unit(layers=layers, successor_tokens=succ, **FIELDS)
+    expected = ExpectedUnit(layers=tuple(specs), successor_tokens=succ, **FIELDS)
+    assert decode_unit(bytes(out), expected)[0] == header
+    return bytes(out), blob, layers
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 5, 64, 100, 1000, 1 << 20])
+def test_one_pass_write_gives_the_codecs_blob(piece_bytes: int) -> None:
+    # Pieces inside a layer, across several, ending on a boundary and past the end.
+    ours, codec, _ = _write([100, 300, 0, 64, 37], piece_bytes)
+    assert ours == codec
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=8),
+    piece_bytes=st.integers(1, 700),
+    seed=st.integers(0, 2**16),
+)
+def test_one_pass_write_matches_for_any_layers_and_pieces(
+    sizes: list[int], piece_bytes: int, seed: int
+) -> None:
+    ours, codec, _ = _write(sizes, piece_bytes, seed)
+    assert ours == codec
+
+
+def test_damage_to_what_was_written_is_refused() -> None:
+    """The digests are those of the bytes written: a flipped byte in layer 1 is refused
+    as a checksum mismatch, and the header's digest of that layer no longer matches."""
+    ours, _, layers = _write([100, 300, 64], 128)
+    damaged = bytearray(ours)
+    damaged[len(ours) - 64 - 10] ^= 1  # inside layer 1
+    specs = tuple(LayerSpec(name, draft, len(data)) for name, draft, data in layers)
+    expected = ExpectedUnit(layers=specs, successor_tokens=(7, 8), **FIELDS)
+    header, payload = decode_unit(ours, expected)
+    assert [verify_layer(payload, entry) for entry in header.layers] == [True] * 3
+    with pytest.raises(UnitRejected, match="checksum"):
+        decode_unit(bytes(damaged), expected)
+    damaged_payload = memoryview(damaged)[len(ours) - payload.nbytes :]
+    assert [verify_layer(damaged_payload, entry) for entry in header.layers] == [True, False, True]
+
+
+def test_sizes_that_disagree_are_refused() -> None:
+    specs = [LayerSpec("a", False, 10)]
+    frame = unit_frame(layers=specs, **FIELDS)
+    out = memoryview(bytearray(frame.nbytes))
+    with pytest.raises(ValueError, match="source"):
+        copy_unit_into(out, frame, memoryview(bytearray(9)), layers=specs, **FIELDS)
+    with pytest.raises(ValueError, match="needs"):
+        copy_unit_into(out[:-1], frame, memoryview(bytearray(10)), layers=specs, **FIELDS)
