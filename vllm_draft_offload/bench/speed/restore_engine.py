@@ -19,9 +19,10 @@ VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def is_restart(args: argparse.Namespace) -> bool:
-    """A restarted engine: hits every prompt from storage, then from its CPU tier."""
-    return args.config in ("ours_l3", "ours_l3_cold") or bool(getattr(args, "l3_variant", ""))
+def is_restart(config: str) -> bool:
+    """A restarted engine (`ours_l3_cold`, `ours_l3` or a warm variant `ours_l3_<v>`):
+    hits every prompt from storage, then from its CPU tier."""
+    return config.startswith("ours_l3") and config != "ours_l3_fill"
 
 
 def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -181,7 +182,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
 
     results: dict[str, Any] = {"config": args.config, "fresh_s": []}
-    if is_restart(args):
+    if is_restart(args.config):
         # Prompts neither the fill engine nor another restart wrote to storage.
         fresh_seed = 100 if args.config == "ours_l3_cold" else getattr(args, "fresh_seed", 200)
         for rep in range(args.reps):

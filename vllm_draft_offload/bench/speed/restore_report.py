@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vllm_draft_offload.bench.speed.restore_engine import is_restart
+
 # Lines of a child's output worth keeping in the report: the connector's storage
 # decisions and calibration, and anything it warned about.
 LOG_MARKERS = ("L3 decision", "prefill calibration", "DraftOffloadConnector")
@@ -41,7 +43,7 @@ def summarize(report: dict[str, Any]) -> None:
     }
     # restore-speed --l3-variants: more warm restarts, other settings.
     for config, result in configs.items():
-        if config.startswith("ours_l3_") and config not in ("ours_l3_fill", "ours_l3_cold"):
+        if is_restart(config) and config not in ("ours_l3", "ours_l3_cold"):
             hits[f"ours_l3_restart_{config.removeprefix('ours_l3_')}"] = result
     for name, result in hits.items():
         hit = result.get("hit_s")
