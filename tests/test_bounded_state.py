@@ -37,6 +37,11 @@ from vllm_draft_offload.l3_cost import WINDOW
 from vllm_draft_offload.l3_decisions import KEEP
 from vllm_draft_offload.l3_tier import MAX_BROKEN_KEYS
 from vllm_draft_offload.l3_writes import RECORD_KEYS
+from vllm_draft_offload.metrics import (
+    NUMBER_SECTIONS,
+    SAMPLE_LIST_SECTIONS,
+    SAMPLE_MAP_SECTIONS,
+)
 from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
 from vllm_draft_offload.worker_audit import job_slots
 
@@ -57,7 +62,9 @@ CAPPED = {
     "l3.cost.prefill._samples": WINDOW,
     "l3.cost.prefill._prior_samples": WINDOW,
     "l3.cost._open_steps": 4,
-    "stats.data": 14,  # the stats sections
+    "stats.data": len(
+        NUMBER_SECTIONS + SAMPLE_MAP_SECTIONS + SAMPLE_LIST_SECTIONS
+    ),  # the stats sections
     # The staging pool's free list: one block once every buffer is back.
     "store._backend.memory_allocator.allocator.address_manager._explicit_list": 1,
 }

@@ -52,6 +52,8 @@ def _one_second_of_stats() -> tuple[object, object]:
     ours.record_refused("checksum_mismatch", 2)
     ours.record_l3_declined("slower_than_recompute", 5)
     ours.record_audit_recompute("ok", 3)
+    ours.record_l3_thread_time("read", 0.08, 0.06)
+    ours.record_l3_thread_time("write", 0.2, 0.05)
     ours.record_acceptance(True, num_drafts=10, num_accepted=15)
     ours.record_acceptance(False, num_drafts=10, num_accepted=20)
     spec = SpecDecodingStats.new(2)
@@ -131,6 +133,9 @@ def test_every_panel_shows_what_the_server_recorded(scrape_file: Path) -> None:
     declined = got["Storage hits declined (slower than recompute)"]
     assert declined.pop("slower_than_recompute") == approx(5.0)
     assert set(declined.values()) == {0.0}
+    assert got["Storage threads: CPU time / wall time"] == {
+        "read": approx(0.75), "write": approx(0.25),
+    }  # fmt: skip
 
 
 def test_render_writes_the_png_and_its_series(scrape_file: Path, tmp_path: Path) -> None:

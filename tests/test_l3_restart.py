@@ -109,9 +109,8 @@ def test_restarted_engine_hits_every_prompt_from_storage_with_defaults(
     # The fill engine's prefill speed, read from storage, priced the first request.
     first = l3.log.recent[0]
     assert first.estimate_source == "calibration", first.line()
-    # Its probe: a round of one unit per read thread, all landed in time.
-    threads = l3.cost.storage.parallel
-    assert first.probe.startswith(f"{threads}/{threads} landed"), first.line()
+    # Its probe: two units, both landed in time.
+    assert first.probe.startswith("2/2 landed"), first.line()
     eng.shutdown()
 
 

@@ -87,6 +87,9 @@ def run_restart(
     assert second.outputs["after-restart"] == first.outputs["fresh"]
     data = second.take_published()
     assert data["hits"]["l3"] == 3
+    # The read threads' clocks: three units read, each with some CPU time of its own.
+    reads = data["l3_thread_seconds"]
+    assert reads["read/wall"] > 0 and 0 < reads["read/cpu"] <= reads["read/wall"] + 1e-3
     second.worker.shutdown()
 
 

@@ -73,8 +73,11 @@ def _worker_stats(rank: int) -> DraftOffloadStats:
     if rank == 0:
         s.record_transfer("store", "cpu", 1_000_000_000, 250_000_000, 10, None)
         s.record_transfer("load", "l3", 300_000_000, 100_000_000, 2, 0.4)
+        s.record_l3_thread_time("read", 0.5, 0.25)
     else:
         s.record_transfer("store", "l3", 2_000_000_000, 500_000_000, 20, 1.0)
+        s.record_l3_thread_time("read", 1.5, 0.25)
+        s.record_l3_thread_time("write", 2.0, 0.0)  # a write that only waited
     return s
 
 
@@ -142,6 +145,7 @@ EXPECTED_SUMS = {
     "drafts": {"true": 20, "false": 10},
     "accepted": {"true": 30, "false": 12},
     "audit_recompute": {"ok": 3},
+    "l3_thread_seconds": {"read/wall": 2.0, "read/cpu": 0.5, "write/wall": 2.0},
     "recomputed": [15, 1],
 }
 
@@ -173,6 +177,7 @@ def test_stats_cross_process_aggregate_and_reduce(vllm_config: VllmConfig) -> No
     assert r["accept_len_fresh"] == 2.2  # 1 + 12/10
     assert r["recomputed_tokens_per_hit"] == 8.0
     assert r["audit_recompute_ok"] == 3 and "audit_recompute_mismatch" not in r
+    assert r["l3_read_cpu_of_wall"] == 0.25 and r["l3_write_cpu_of_wall"] == 0.0
     assert r["refusals"] == 3 and r["fallbacks"] == 1
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in r.values())
 
@@ -243,6 +248,10 @@ def test_aggregate_reset_take_and_validation() -> None:
         s.record_recomputed_tokens(-3)
     with pytest.raises(ValueError):
         s.record_audit_recompute("maybe")
+    with pytest.raises(ValueError, match="op"):
+        s.record_l3_thread_time("fetch", 1.0, 0.5)
+    with pytest.raises(ValueError, match="cpu seconds"):
+        s.record_l3_thread_time("read", 1.0, -0.5)
     assert s.is_empty()
 
     assert dom.build_kv_connector_stats(None) is not None
@@ -295,6 +304,9 @@ def test_prometheus_via_vllm_kv_connector_prom(vllm_config: VllmConfig, clean_re
     assert val(p + "audit_recompute_units_total", result="ok") == 6
     assert val(p + "audit_recompute_units_total", result="mismatch") == 0  # pre-created
     assert val(p + "fallbacks_total", cause="audit_recompute_mismatch") == 0  # pre-created
+    assert val(p + "l3_thread_seconds_total", op="read", clock="wall") == pytest.approx(4.0)
+    assert val(p + "l3_thread_seconds_total", op="write", clock="wall") == pytest.approx(4.0)
+    assert val(p + "l3_thread_seconds_total", op="write", clock="cpu") == 0  # pre-created
     drafts_r = val(p + "spec_drafts_total", restored="true")
     acc_r = val(p + "spec_accepted_tokens_total", restored="true")
     drafts_f = val(p + "spec_drafts_total", restored="false")

@@ -110,7 +110,19 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
                 "cpu_hit_s": [0.05],
             },
             "ours_l3": {
-                "fresh_s": [0.5], "hit_s": [0.2, 0.2], "hit_cached": [1023, 1023],
+                "fresh_s": [0.5, 0.4, 0.6], "hit_s": [0.2, 0.2], "hit_cached": [1023, 1023],
+                "fresh_busy_s": [0.55, 0.6, 0.65],
+                "busy_hit_s": [0.3, 0.6], "busy_hit_cached": [1023, 0],
+                "phases": {
+                    "hit_s": [
+                        {"ttft_s": 0.2, "waiting_s": 0.1, "scheduled_to_first_token_s": 0.08,
+                         "l3_thread_seconds": {"read_wall": 1.0, "read_cpu": 0.5,
+                                               "write_wall": 0.0, "write_cpu": 0.0}},
+                        {"ttft_s": 0.2, "waiting_s": None, "scheduled_to_first_token_s": 0.09,
+                         "l3_thread_seconds": {"read_wall": 3.0, "read_cpu": 1.0,
+                                               "write_wall": 0.0, "write_cpu": 0.0}},
+                    ],
+                },
                 "l3_decisions": [
                     "(EngineCore pid=1) INFO [l3_decisions.py:80] L3 decision req=3 policy=cost: x",
                     "(EngineCore pid=1) INFO [l3_calibration.py:90] prefill calibration loaded",
@@ -129,8 +141,16 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
     assert cold["ttft_vs_recompute_per_prompt"] == [0.4 / 0.5, 0.6 / 0.5]
     restart = summary["ours_l3_restart"]
     assert restart["ttft_vs_recompute_per_prompt"] == [0.4, 0.4]
-    # The first prompt against a fresh engine's first request.
-    assert restart["first_prompt_vs_first_request_recompute"] == 0.2 / 0.8
+    # Hits and recompute behind storage writes, against the quiet recompute.
+    assert restart["busy_hit_tokens_per_prompt"] == [1023, 0]
+    assert restart["busy_ttft_vs_recompute_per_prompt"] == [0.3 / 0.5, 0.6 / 0.5]
+    assert abs(restart["fresh_busy_vs_fresh"] - 0.6 / 0.5) < 1e-12
+    hit_phases = restart["phases"]["hit_s"]
+    assert hit_phases["waiting_s"] == 0.1  # the request without stats is left out
+    assert hit_phases["scheduled_to_first_token_s"] == 0.09
+    assert hit_phases["l3_read_thread_s"] == 2.0
+    assert hit_phases["l3_read_cpu_of_wall"] == 1.5 / 4.0
+    assert "l3_write_thread_s" not in hit_phases  # nothing written during the hits
     assert restart["storage_decisions"] == ["L3 decision req=3 policy=cost: x"]
     assert summary["raw_disk"]["read_cold_GBps"] == {"1": 1.2}
     assert "ours_l3_restart_strict" not in summary
@@ -329,3 +349,21 @@ def test_gptoss_layout_runs_in_a_cpu_engine_with_the_connector(tmp_path: Path) -
     result = json.loads(lines[-1].removeprefix("RESULT "))
     assert result["cached"] == 512, result  # 8 chunks of 64; the 8 tokens after recomputed
     assert result["equal"]
+
+
+def test_restart_units_are_removed_but_the_filled_ones_and_the_calibration(
+    tmp_path: Path,
+) -> None:
+    """A restart's fresh prompts are written to storage and never hit again: restore-speed
+    removes their units after each restart, keeping the fill engine's and the
+    calibration."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.data").write_bytes(b"u")
+    filled = set(l3_dir.unit_files(tmp_path))
+    (tmp_path / "c.data").write_bytes(b"u")
+    calibration = object_name(b"salt", "NVIDIA H100")
+    (tmp_path / f"ns@1@0@1{calibration}@uint8.data").write_bytes(b"{}")
+    assert restore_speed.remove_units_but(tmp_path, filled) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.data", "b.data", f"ns@1@0@1{calibration}@uint8.data",
+    ]  # fmt: skip

@@ -38,8 +38,12 @@ class L3Config(BaseModel):
     # chunks are dropped (counted). None: half of cpu_bytes_to_use.
     max_pending_write_bytes: int | None = Field(default=None, gt=0)
     # Threads per worker for storage reads (with spread_reads, as many again), and as
-    # many for writes. None: sized from the host (half the cores, 2 to 16).
+    # many for writes unless write_threads says otherwise. None: sized from the host
+    # (half the cores, 2 to 16).
     io_threads: int = Field(default_factory=lambda: default_io_threads(), ge=1, le=64)
+    # Writes in flight per worker; None: io_threads. Either way at most what half
+    # of LMCache's staging pool holds.
+    write_threads: int | None = Field(default=None, ge=1, le=64)
     timeout_s: float = Field(default=5.0, gt=0)
     # fs:// only: read the bytes of the units in flight on another io_threads threads,
     # earliest unit first, each unit's layers on several at once (unit_fetch.py), so a

@@ -6,7 +6,7 @@ Two estimators, fed by what the connector sees anyway:
   copy into a host slot, as workers report it) and the lookup round trip. A
   fetch of k units on `parallel` read threads takes about ceil(k / parallel)
   unit times, and at least k times the pace (seconds per unit) that rounds of
-  `parallel` or more units sent together made (l3_fetches.py): storage bound by
+  units sent together made (l3_fetches.py; PROBE_UNITS or more): storage bound by
   bandwidth reads units in parallel no faster than one after another.
   Exponentially weighted, so it follows a backend that slows down or warms up.
 * `PrefillEstimate`: the engine's step time (from when a step was scheduled, or
@@ -55,6 +55,19 @@ STEP_ALPHA = 0.3
 # A request waits on storage for at most this share of the estimated recompute of
 # the chunks it looks up (beyond what landed chunks save): worst case recompute + 5 %.
 PROBE_WAIT_FRACTION = 0.05
+# Units of the probe, the first fetch from storage an engine makes (its speed unknown).
+# It must be able to land within the wait allowance (5 % of the recompute): a round of
+# one unit per read thread shares the device's bandwidth, so all of its units land
+# together, after as many units' worth of reading (on an H100 host, 8 units of 37.7 MB
+# in 20-25 ms against a 22 ms allowance: no restarted engine's first request ever took
+# a storage hit, sessions 9-11). Two units land in about a quarter of that, and still
+# show whether reads in flight share a bandwidth (a disk reading one at a time takes
+# twice as long for them as for one).
+PROBE_UNITS = 2
+# A round smaller than the read threads was served one read after another when its last
+# unit landed this many times later than its first (two reads at once on a disk that
+# one read saturates: 2 x).
+SERIAL_RATIO = 1.5
 # Storage estimates older than this are refreshed by a probe fetch.
 REPROBE_S = 30.0
 # Step samples kept for the prefill fit, and the fewest that make a fit.
@@ -97,6 +110,27 @@ class StorageEstimate:
         with self._lock:
             alpha = 1.0 if self.pace_s == 0.0 else 1.0 - (1.0 - EWMA_ALPHA) ** units
             self.pace_s += alpha * (seconds_per_unit - self.pace_s)
+
+    def times_round(self, units: int) -> bool:
+        """Can a round of `units` fetches sent together time the storage's pace? A
+        single unit says nothing about reads in flight together."""
+        return units >= min(PROBE_UNITS, self.parallel)
+
+    def round_pace(self, units: int, fastest_s: float, slowest_s: float) -> float | None:
+        """Seconds per unit that a round of `units` (its units landing `fastest_s` to
+        `slowest_s` after they were queued) says the storage sustains, or None when it
+        says nothing. A round of `parallel` or more units: its time over its size. A
+        smaller one (the probe) only when its reads were served one after another (the
+        last landed SERIAL_RATIO times later than the first: a disk whose bandwidth one
+        read takes); units that landed together say only that the storage reads that
+        many at once, and their time over their number would price a storage that reads
+        `parallel` at once several times too high (on an H100 host: 62 warm units priced
+        at 0.47 s, above recompute, where they took 0.17-0.27 s)."""
+        if units >= self.parallel or (
+            units >= PROBE_UNITS and slowest_s >= SERIAL_RATIO * fastest_s
+        ):
+            return slowest_s / units
+        return None
 
     def load_s(self, units: int) -> float:
         return max(math.ceil(units / self.parallel) * self.unit_s, units * self.pace_s)
@@ -157,6 +191,12 @@ def fit_steps(samples: Iterable[Sample]) -> np.ndarray | None:
     return coef / scale
 
 
+# This engine's own fit prices recomputes of up to this many times the largest step
+# it was fit on; larger ones are priced by an earlier engine's calibration when there
+# is one. On an H100 (session 11) a fit of a 255-token warm-up and decode steps priced
+# a 16k-token recompute at 9.5 s against 0.45 s, and so let a request wait on storage
+# for up to 9.9 s.
+OWN_FIT_REACH = 4.0
 # A prefill step whose per-token time is below this fraction of the median large
 # prefill's is taken as mistimed and left out of the fit.
 MISTIMED_RATE_FRACTION = 0.25
@@ -198,6 +238,8 @@ class PrefillEstimate:
         self._rate: float | None = None
         self._rate_stale = False
         self.observed = 0  # step samples taken so far (the calibration saves new ones)
+        # The largest step (tokens) among the samples of this engine's current fit.
+        self._fit_largest = 0.0
 
     def observe(self, tokens: int, attention: float, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -215,6 +257,7 @@ class PrefillEstimate:
             return
         self._new = 0
         self.coef = coef
+        self._fit_largest = max(t for t, _, _ in self._samples)
 
     def set_prior(self, samples: Iterable[Sample]) -> bool:
         """Take an earlier engine's step samples as the estimate until this engine has
@@ -244,29 +287,43 @@ class PrefillEstimate:
         """A prefill step was timed: the samples say something about recompute."""
         return any(t >= MIN_PREFILL_TOKENS for t, _, _ in self._samples)
 
-    @property
-    def source(self) -> str:
-        """Where recompute estimates come from now (for the decision log)."""
-        if self.coef is not None:
+    def _own_fit_prices(self, tokens: int) -> bool:
+        """Does this engine's own fit price a recompute of `tokens`? Not beyond
+        OWN_FIT_REACH times the largest step it was fit on while an earlier engine's
+        calibration can."""
+        if self.coef is None:
+            return False
+        return self.prior_coef is None or tokens <= OWN_FIT_REACH * self._fit_largest
+
+    def source_for(self, tokens: int) -> str:
+        """Where the estimate of a recompute of `tokens` comes from (decision log)."""
+        if self._own_fit_prices(tokens):
             return "fit"
         if self.prior_coef is not None:
             return "calibration"
         return "rate" if self.has_prefill else "none"
 
+    @property
+    def source(self) -> str:
+        """Where recompute estimates of short steps come from now."""
+        return self.source_for(0)
+
     def recompute_s(self, start: int, tokens: int) -> float | None:
         """Seconds to compute tokens [start, start + tokens) of one request; None: unknown.
 
-        Without a fit of this engine's own steps, an earlier engine's (the
-        calibration) stands in; without either, the fastest per-token rate of the
-        prefill steps seen so far: it ignores the attention term, so it
-        underestimates a long prefix's recompute and errs towards recomputing."""
-        coef = self.coef if self.coef is not None else self.prior_coef
+        Without a fit of this engine's own steps that reaches `tokens` (OWN_FIT_REACH
+        times its largest step), an earlier engine's (the calibration) stands in;
+        without either, the fastest per-token rate of the prefill steps seen so far:
+        it ignores the attention term, so it underestimates a long prefix's recompute
+        and errs towards recomputing."""
+        own = self._own_fit_prices(tokens)
+        coef = self.coef if own else self.prior_coef
         if coef is None:
             rates = [rate for _, rate in prefill_rates(self._samples)]
             return min(rates) * tokens if rates else None
         _, b, c = coef
         fitted = float(b * tokens + c * tokens * (start + tokens / 2))
-        if self.coef is None:
+        if not own:
             rate = self._prior_rate
         else:
             if self._rate_stale:

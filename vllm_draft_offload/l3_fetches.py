@@ -12,12 +12,13 @@ an H100 (session 9).
 A round is the fetches sent together. Once all of them landed, the round's time over
 its size is the pace the storage sustains with that many reads in flight: a disk
 bounded by bandwidth reads k units at once in k times one unit's time, not in one.
-Only rounds of at least one unit per read thread are timed: a couple of units would
-price a long fetch at one unit's latency each. The round's time is the workers' own,
-from queueing its reads to the last landing (slowest rank): the scheduler hears of a
-landing only after the engine step it happened in, and a round abandoned to a long
-prefill would otherwise be timed by that prefill (on an H100: 64 units of 37.7 MB priced
-at 5.5 s, where `l3-stages` fetched from the same page cache at 11-18 GB/s).
+Rounds of a single unit are not timed (one read says nothing about reads together);
+a round smaller than the read threads (the probe: two units) is timed only when its
+reads were served one after another (StorageEstimate.round_pace). The round's time
+is the workers' own, from queueing its reads to the last landing (slowest rank): the
+scheduler hears of a landing only after the engine step it happened in, and a round
+abandoned to a long prefill would otherwise be timed by that prefill (on an H100: 64
+units of 37.7 MB priced at 5.5 s, where `l3-stages` fetched from the same page cache at 11-18 GB/s).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ PLACEHOLDER = -1
 class FetchRound:
     size: int
     pending: set[int]
-    # the slowest of its landed units, by the workers' clocks
+    # the slowest and the fastest of its landed units, by the workers' clocks
     slowest_s: float = 0.0
+    fastest_s: float = float("inf")
 
 
 class FetchBook:
@@ -71,7 +73,7 @@ class FetchBook:
             self._unsent.append(FetchJob(job_id, entry.slot, chunk_key))
             self.units[job_id] = (req_id, placeholder)
             jobs.append(job_id)
-        if len(jobs) >= self.storage.parallel:
+        if self.storage.times_round(len(jobs)):
             fetch_round = FetchRound(len(jobs), set(jobs))
             self._rounds.update(dict.fromkeys(jobs, fetch_round))
         return jobs
@@ -112,8 +114,13 @@ class FetchBook:
             self._maybe_time(fetch_round)
 
     def _maybe_time(self, fetch_round: FetchRound) -> None:
-        if not fetch_round.pending and fetch_round.size >= self.storage.parallel:
-            self.storage.observe_pace(fetch_round.slowest_s / fetch_round.size, fetch_round.size)
+        if fetch_round.pending:
+            return
+        pace = self.storage.round_pace(
+            fetch_round.size, fetch_round.fastest_s, fetch_round.slowest_s
+        )
+        if pace is not None:
+            self.storage.observe_pace(pace, fetch_round.size)
 
     def landed_after(self, job_id: int, seconds: float) -> None:
         """A worker's fetch of the job landed `seconds` after that worker queued it."""
@@ -135,6 +142,7 @@ class FetchBook:
         if fetch_round is not None:
             fetch_round.pending.discard(job_id)
             fetch_round.slowest_s = max(fetch_round.slowest_s, since_queued)
+            fetch_round.fastest_s = min(fetch_round.fastest_s, since_queued)
             if not landed:
                 for other in fetch_round.pending:
                     del self._rounds[other]

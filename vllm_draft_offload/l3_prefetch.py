@@ -35,7 +35,7 @@ from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.hit_logic import PrefixMatch
 from vllm_draft_offload.l3_background import BackgroundProbe
 from vllm_draft_offload.l3_calibration import Calibration
-from vllm_draft_offload.l3_cost import CostModel
+from vllm_draft_offload.l3_cost import PROBE_UNITS, CostModel
 from vllm_draft_offload.l3_decisions import DecisionLog, L3Decision
 from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.l3_tier import SchedulerL3
@@ -255,7 +255,7 @@ class L3Prefetch:
             first_chunk=first,
             range_chunks=count,
             recompute_s=self.cost.recompute_chunks_s(first, count),
-            estimate_source=self.cost.prefill.source,
+            estimate_source=self.cost.prefill.source_for(count * self.chunk_size),
         )
         state = L3RequestState(first, last, decision, covered_until=first)
         self._requests[req_id] = state
@@ -336,11 +336,11 @@ class L3Prefetch:
             return
         state.progress = time.monotonic()
         if storage.samples == 0:
-            # Storage speed unknown: the probe is one round, a unit per read thread.
-            # One unit alone reads at the device's latency; a round also shows whether
-            # the reads share a bandwidth (a disk: 8 at once take 8 times as long).
-            # The wait allowance bounds what it may cost.
-            size = min(storage.parallel, hits)
+            # Storage speed unknown: the probe is a round of PROBE_UNITS units, few
+            # enough to land within the wait allowance on fast storage, and two, to
+            # show whether reads share a bandwidth (a disk: two at once take twice as
+            # long). The wait allowance bounds what it may cost.
+            size = min(PROBE_UNITS, storage.parallel, hits)
             if self._fetch_chunks(req_id, state, keys, first, size, "probe"):
                 state.decision.probe = f"{_units(state.decision.wanted)} sent"
             return

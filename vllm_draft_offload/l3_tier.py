@@ -19,7 +19,9 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from vllm_draft_offload.config import L3Config
@@ -81,13 +83,13 @@ STAGING_HEADER_BYTES = 64 << 10
 WRITES_HELD_MAX_S = 0.5
 
 
-def write_concurrency(io_threads: int, store: L3Store | None, unit_bytes: int) -> int:
-    """Writes in flight per worker: io_threads, as far as half the staging pool holds
+def write_concurrency(threads: int, store: L3Store | None, unit_bytes: int) -> int:
+    """Writes in flight per worker: `threads`, as far as half the staging pool holds
     them (the other half stays free for fetches, which a request waits on)."""
     if store is None:
         return 1
     per_write = unit_bytes + STAGING_HEADER_BYTES
-    return max(1, min(io_threads, store.settings.staging_bytes // 2 // per_write))
+    return max(1, min(threads, store.settings.staging_bytes // 2 // per_write))
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,9 @@ class WorkerL3:
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind. Writes run one unit per task, as many at once as the
         # staging pool allows.
-        self.write_threads = write_concurrency(config.io_threads, self.store, layout.unit_bytes)
+        self.write_threads = write_concurrency(
+            config.write_threads or config.io_threads, self.store, layout.unit_bytes
+        )
         self._write_pool = ThreadPoolExecutor(
             self.write_threads, thread_name_prefix="draft-offload-l3-write"
         )
@@ -179,6 +183,19 @@ class WorkerL3:
         self._fetches_queued: set[int] = set()
         self._fetches_cancelled: set[int] = set()
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        # ("read" | "write", wall s, thread CPU s) per unit, drained into the stats:
+        # a thread whose wall time runs well past its CPU time waits (GIL, core, disk).
+        self.thread_times: queue.SimpleQueue[tuple[str, float, float]] = queue.SimpleQueue()
+
+    @contextmanager
+    def _clocked(self, op: str) -> Iterator[None]:
+        """Report the calling thread's wall and CPU time of the block as `op`
+        (thread_times), however the block ends."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.thread_times.put((op, time.perf_counter() - wall, time.thread_time() - cpu))
 
     # ------------------------------------------------------------------ writes
 
@@ -300,7 +317,8 @@ class WorkerL3:
                 return  # cancelled meanwhile
             self._writes_in_flight += 1
         try:
-            self._write(order)
+            with self._clocked("write"):
+                self._write(order)
         finally:
             with self._write_cv:
                 self._writes_in_flight -= 1
@@ -372,6 +390,12 @@ class WorkerL3:
             self._fetches_cancelled.update(j for j in job_ids if j in self._fetches_queued)
 
     def _fetch(self, job_id: int, slot: int, chunk_key: bytes, queued: float) -> None:
+        # With spread_reads the bytes are read on the spread pool's threads: this
+        # thread's CPU time is then only the open, the header and the wait.
+        with self._clocked("read"):
+            self._fetch_timed(job_id, slot, chunk_key, queued)
+
+    def _fetch_timed(self, job_id: int, slot: int, chunk_key: bytes, queued: float) -> None:
         assert self.store is not None
         with self._fetch_lock:
             self._fetches_queued.discard(job_id)

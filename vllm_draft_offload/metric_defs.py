@@ -46,8 +46,6 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
     "l3_lookup_failed",  # a storage lookup raised something unexpected; treated as a miss
 )
 # Why storage hits were not fetched (l3.hit_policy=cost).
-# not_looked_up: the lookup was skipped since even a full hit would be slower.
-# Why storage hits were not fetched (l3.hit_policy=cost).
 # not_looked_up: the lookup was skipped since even a full hit would be slower;
 # speed_unknown: not looked up since the engine's prefill speed is not known yet;
 # fetch_too_slow: the lookup or fetch did not land within the request's wait allowance.
@@ -57,6 +55,9 @@ L3_DECLINE_CAUSES: Final[tuple[str, ...]] = (
     "speed_unknown",
     "fetch_too_slow",
 )
+# Storage-tier thread work (l3_thread_seconds): what the threads did, and which clock.
+L3_THREAD_OPS: Final[tuple[str, ...]] = ("read", "write")
+L3_THREAD_CLOCKS: Final[tuple[str, ...]] = ("wall", "cpu")
 # Outcomes of the sampled recompute audit, per stored unit compared.
 AUDIT_RESULTS: Final[tuple[str, ...]] = ("ok", "mismatch", "error")
 
@@ -108,6 +109,14 @@ L3_DECLINED = _counter(
     "cause: estimated slower, not looked up, engine speed unknown, fetch too slow.",
     "cause",
 )
+L3_THREAD_SECONDS = _counter(
+    "l3_thread_seconds",
+    "Storage (L3) read and write threads: wall time per unit read or written, and the "
+    "thread's own CPU time. Wall well above CPU means the threads wait: for the GIL, "
+    "a core or the device.",
+    "op",
+    "clock",
+)
 AUDIT_RECOMPUTE = _counter(
     "audit_recompute_units",
     "Stored units compared with a recompute of their prefix (sampled audit), by result.",
@@ -148,6 +157,7 @@ ALL_METRICS: Final[tuple[MetricDef, ...]] = (
     REFUSALS,
     FALLBACKS,
     L3_DECLINED,
+    L3_THREAD_SECONDS,
     AUDIT_RECOMPUTE,
     SPEC_DRAFTS,
     SPEC_ACCEPTED,

@@ -32,6 +32,8 @@ from vllm.logger import init_logger
 from vllm_draft_offload.metric_defs import (
     AUDIT_RESULTS,
     DIRECTIONS,
+    L3_THREAD_CLOCKS,
+    L3_THREAD_OPS,
     PARTS,
     TIERS,
     Direction,
@@ -58,6 +60,7 @@ NUMBER_SECTIONS: Final[tuple[str, ...]] = (
     "accepted",  # "true"/"false" -> accepted draft tokens
     "audit_recompute",  # result -> stored units compared with their recomputed prefix
     "l3_declined",  # cause -> storage chunks not fetched because recompute is faster
+    "l3_thread_seconds",  # "read/wall", "read/cpu", ... -> seconds of storage threads
 )
 # section -> {key: [samples]}, concatenated on aggregate
 SAMPLE_MAP_SECTIONS: Final[tuple[str, ...]] = ("restore_s",)  # tier -> load seconds
@@ -83,6 +86,12 @@ def _check_count(name: str, value: int) -> int:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _check_seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
     return value
 
 
@@ -136,10 +145,8 @@ class DraftOffloadStats(KVConnectorStats):
         _check_count("draft_bytes", draft_bytes)
         _check_count("chunks", chunks)
         # Validate everything before mutating: a rejected call must leave no trace.
-        if seconds is not None and (
-            isinstance(seconds, bool) or not math.isfinite(seconds) or seconds < 0
-        ):
-            raise ValueError(f"seconds must be a finite non-negative number, got {seconds!r}")
+        if seconds is not None:
+            _check_seconds("seconds", seconds)
         dt = _key(direction, tier)
         self._inc("chunks", dt, chunks)
         self._inc("bytes", _key(dt, "target"), target_bytes)
@@ -172,6 +179,15 @@ class DraftOffloadStats(KVConnectorStats):
     def record_l3_declined(self, cause: str, chunks: int) -> None:
         """Storage chunks the hit policy chose to recompute rather than fetch."""
         self._inc("l3_declined", _check_cause(cause), _check_count("chunks", chunks))
+
+    def record_l3_thread_time(self, op: str, wall_s: float, cpu_s: float) -> None:
+        """One unit read or written by a storage thread: its wall and thread CPU time."""
+        _check_choice("op", op, L3_THREAD_OPS)
+        times = tuple(zip(L3_THREAD_CLOCKS, (wall_s, cpu_s), strict=True))
+        for clock, seconds in times:  # all checked first: a rejected call leaves no trace
+            _check_seconds(f"{clock} seconds", seconds)
+        for clock, seconds in times:
+            self._inc("l3_thread_seconds", _key(op, clock), float(seconds))
 
     def record_audit_recompute(self, result: str, units: int = 1) -> None:
         """Stored units compared with a recompute of their prefix (sampled audit)."""
@@ -270,6 +286,11 @@ class DraftOffloadStats(KVConnectorStats):
             out["recomputed_tokens_per_hit"] = round(sum(recomputed) / len(recomputed), 2)
         for result, units in sorted(d["audit_recompute"].items()):
             out[f"audit_recompute_{result}"] = units
+        for op in L3_THREAD_OPS:
+            wall = d["l3_thread_seconds"].get(_key(op, "wall"), 0.0)
+            if wall > 0:
+                cpu = d["l3_thread_seconds"].get(_key(op, "cpu"), 0.0)
+                out[f"l3_{op}_cpu_of_wall"] = round(cpu / wall, 3)
         declined = sum(d["l3_declined"].values())
         if declined:
             out["l3_declined_chunks"] = declined
@@ -285,7 +306,7 @@ class DraftOffloadStats(KVConnectorStats):
     def _sections() -> tuple[str, ...]:
         return NUMBER_SECTIONS + SAMPLE_MAP_SECTIONS + SAMPLE_LIST_SECTIONS
 
-    def _inc(self, section: str, key: str, value: int) -> None:
+    def _inc(self, section: str, key: str, value: int | float) -> None:
         # Zero increments are dropped so that is_empty() stays meaningful.
         if value:
             sec = self.data[section]

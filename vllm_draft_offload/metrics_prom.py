@@ -36,6 +36,9 @@ from vllm_draft_offload.metric_defs import (
     HIT_CHUNKS,
     L3_DECLINE_CAUSES,
     L3_DECLINED,
+    L3_THREAD_CLOCKS,
+    L3_THREAD_OPS,
+    L3_THREAD_SECONDS,
     LOADED_BYTES,
     LOADED_CHUNKS,
     MISS_CHUNKS,
@@ -105,6 +108,9 @@ class DraftOffloadPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, L3_DECLINED, (cause,))
             for result in AUDIT_RESULTS:
                 self._child(engine_idx, AUDIT_RECOMPUTE, (result,))
+            for op in L3_THREAD_OPS:
+                for clock in L3_THREAD_CLOCKS:
+                    self._child(engine_idx, L3_THREAD_SECONDS, (op, clock))
             for restored in ("true", "false"):
                 self._child(engine_idx, SPEC_DRAFTS, (restored,))
                 self._child(engine_idx, SPEC_ACCEPTED, (restored,))
@@ -147,12 +153,16 @@ class DraftOffloadPromMetrics(KVConnectorPromMetrics):
                     continue
                 self._child(engine_idx, metric, tuple(labels)).inc(value)
 
-        for key, value in data["seconds"].items():
-            labels = tuple(key.split("/"))
-            if len(labels) != len(TRANSFER_SECONDS.labelnames):
-                self._skip("seconds", key)
-                continue
-            self._child(engine_idx, TRANSFER_SECONDS, labels).inc(value)
+        for section, metric in (
+            ("seconds", TRANSFER_SECONDS),
+            ("l3_thread_seconds", L3_THREAD_SECONDS),
+        ):
+            for key, value in data[section].items():
+                labels = tuple(key.split("/"))
+                if len(labels) != len(metric.labelnames):
+                    self._skip(section, key)
+                    continue
+                self._child(engine_idx, metric, labels).inc(value)
 
         for section, metric in _SINGLE_LABEL.items():
             for key, value in data[section].items():

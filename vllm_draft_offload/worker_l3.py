@@ -98,6 +98,8 @@ class L3Link:
                 1 if counts_chunks else 0,
                 None,
             )
+        while not l3.thread_times.empty():
+            self.stats.record_l3_thread_time(*l3.thread_times.get())
         while not l3.events.empty():
             kind, detail = l3.events.get()
             if kind == "fallback":

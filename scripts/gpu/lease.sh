@@ -14,8 +14,12 @@
 #   l3        restore-speed of the storage tier, default settings, cold and warm restart,
 #             then l3-stages (the fetch path's stages against a plain read)
 #   l3-restart  the same restore-speed alone (fill, cold and warm restart), about 5 min
-#   l3-variants  restore-speed with three more warm restarts (l3.spread_reads on,
-#             l3.wait_past_allowance off, both), then l3-speed (about 9.5 min)
+#   l3-variants  restore-speed with three more warm restarts (Python's 5 ms GIL switch
+#             interval, 2 write threads, l3.spread_reads on), then l3-speed
+#   l3-probe  restore-speed, 2 reps, default settings (fill, cold and warm restart)
+#   l3-writes2  restore-speed, 2 reps, one more warm restart with 2 write threads
+#   pressure-both  pressure with a CPU tier of 0.3 x the working set and l3.hit_policy
+#             always: both tiers serve in one run: /root/pressure-both
 #   hybrid-speed  restore-speed at the gpt-oss-20b-like shape (sliding windows, 16k
 #             prompts): recompute, native, ours (about 5 min, estimated)
 #   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and
@@ -68,10 +72,10 @@ accept_cmd() {
 
 L3_RESTART="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
   --l3-dir /root/l3 --drop-caches --out /root/restore_speed_l3.json"
-# Default settings, then warm restarts with l3.spread_reads on, and with it and
-# l3.wait_past_allowance off; then the fetch paths alone against raw reads.
+# Default settings, then warm restarts with Python's GIL switch interval, with two
+# write threads, and with l3.spread_reads on; then the fetch paths alone against raw reads.
 L3_VARIANTS="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
-  --l3-variants spread,strict,spread+strict --l3-dir /root/l3v --drop-caches \
+  --l3-variants interval5,writes2,spread --l3-dir /root/l3v --drop-caches \
   --out /root/restore_speed_l3_variants.json
   vllm-draft-offload l3-speed --url fs:///root/l3-speed --threads 1,4,8 --units 16 \
     --drop-caches --out /root/l3_speed.json"
@@ -82,7 +86,14 @@ declare -A CMD=(
   [pressure]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure"
   [pressure-l3]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure-l3 \
     --cpu-fraction 0.1 --l3-hit-policy always"
+  [pressure-both]="vllm-draft-offload pressure --fixtures /root/fx --out /root/pressure-both \
+    --cpu-fraction 0.3 --l3-hit-policy always"
   [l3-restart]="$L3_RESTART"
+  [l3-probe]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 2 \
+    --l3-dir /root/l3p --drop-caches --out /root/restore_speed_l3_probe.json"
+  [l3-writes2]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 2 \
+    --l3-variants writes2 --l3-dir /root/l3w --drop-caches --out /root/restore_speed_l3_writes2.json
+    rm -rf /root/l3w"
   [l3-variants]="$L3_VARIANTS"
   [l3]="$L3_RESTART
     vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
@@ -112,7 +123,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|accept|serve|pressure|pressure-l3|l3|l3-restart|l3-variants|decode|soak|hybrid|hybrid-speed)
+fx|accept|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -164,8 +175,10 @@ collect)
   done
   [ -d /root/serve ] && cp -r /root/serve "$C"/
   [ -f /root/pressure/pressure.json ] && cp /root/pressure/pressure.json /root/pressure/pressure.md "$C"/
-  [ -f /root/pressure-l3/pressure.json ] && mkdir -p "$C/pressure-l3" &&
-    cp /root/pressure-l3/pressure.json /root/pressure-l3/pressure.md "$C/pressure-l3"/
+  for d in pressure-l3 pressure-both; do
+    [ -f "/root/$d/pressure.json" ] && mkdir -p "$C/$d" &&
+      cp "/root/$d/pressure.json" "/root/$d/pressure.md" "$C/$d"/
+  done
   cp /root/restore_speed_*.json /root/l3_stages.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
   tar -czf /root/lease.tgz -C /root collect

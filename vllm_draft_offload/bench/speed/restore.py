@@ -11,24 +11,32 @@ another, on the same prompts:
 * `native`: vLLM's OffloadingConnector, CPU tier;
 * `ours`: DraftOffloadConnector, CPU tier;
 * `ours_l3`: DraftOffloadConnector with an LMCache `fs://` tier, restarted: one
-  engine (`ours_l3_fill`) prefills the prompts and waits for its L3 writes; then a
-  fresh engine (empty CPU tier) hits every prompt from L3, and once more from the
-  CPU tier. That restart runs twice: `ours_l3_cold` after the units' files were
-  evicted from the page cache, `ours_l3` (warm) after every unit file was read
-  back into it (`l3_warm`: files, bytes and the read's GB/s). `--l3-variants` adds
-  more warm restarts after it, each with other settings (`spread`: `l3.spread_reads`
-  on; `strict`: `l3.wait_past_allowance` off; `spread+strict`: both), so they are
-  measured side by side against the same stored units and page cache.
+  engine (`ours_l3_fill`) prefills two sets of prompts and waits for its L3 writes;
+  then a fresh engine (empty CPU tier) serves a short request (so the measured ones
+  are not its first), and per rep: with no storage write in flight, hits a prompt
+  of the first set from L3 (`hit_s`) and once more from the CPU tier; with no write
+  in flight, prefills a new prompt (`fresh_s`, its recompute baseline), right after
+  it another one (`fresh_busy_s`, behind the first one's storage writes), and right
+  after that hits a prompt of the second set from L3 (`busy_hit_s`, behind the
+  writes of the one before). `phases` splits each of those requests' TTFT with
+  vLLM's request stats (waiting to be scheduled, i.e. on storage; scheduled to
+  first token) and the storage threads' wall and CPU seconds meanwhile (the
+  connector's `l3_thread_seconds`). That restart runs twice: `ours_l3_cold` after
+  the units' files were evicted from the page cache, `ours_l3` (warm) after every
+  unit file was read back into it (`l3_warm`: files, bytes and the read's GB/s).
+  `--l3-variants` adds more warm restarts after it, each with other settings
+  (`spread`: `l3.spread_reads` on; `strict`: `l3.wait_past_allowance` off;
+  `interval5`: Python's 5 ms GIL switch interval instead of `l3.switch_interval_ms`;
+  `writes2`: `l3.write_threads` 2; `+` joins them), so they are measured side by
+  side against the same stored units and page cache.
 
 The L3 tier runs with the connector's DEFAULT settings; `--l3-io-threads`,
 `--l3-backlog-gib`, `--l3-staging-mb`, `--l3-hit-policy` and `--l3-spread-reads` override
 them. Only `l3.log_decisions` is turned on (it changes no behaviour): each config's entry in
 the report keeps the connector's per-request storage decisions (`l3_decisions`:
 what the CPU tier and storage held, fetched or declined and why, estimated load and
-recompute times, the probe) and the tail of the child's output (`log_tail`). The
-fill engine's first request (its warm-up, a fresh engine's first 16k prefill) is
-the baseline of a restarted engine's first prompt (`first_request_s`), since a
-fresh engine's first request is slower than its later ones. For `ours_l3` the report
+recompute times, the probe) and the tail of the child's output (`log_tail`). For
+`ours_l3` the report
 has the units found in storage once writes settle against the units expected
 (whole chunks of every prompt), the connector's own stored/dropped counters, the
 sustained L3 write throughput (bytes of the unit files over the time from the
@@ -108,6 +116,16 @@ def variant_engine(variant: str) -> str:
     if unknown or len(set(parts)) != len(parts):
         raise ValueError(f"{variant!r}: give distinct settings of {', '.join(VARIANT_SETTINGS)}")
     return "ours_l3_" + "_".join(parts)
+
+
+def remove_units_but(directory: Path, keep: set[Path]) -> int:
+    """Delete the unit files in `directory` that are not in `keep`; how many."""
+    removed = 0
+    for path in unit_files(directory):
+        if path not in keep:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def pinned_d2h_gbps(gib: float) -> float:
@@ -258,6 +276,7 @@ def run_shape(
             args.drop_caches,
         )
         print("raw_disk", json.dumps(report["raw_disk"]), flush=True)
+    filled: set[Path] = set()
     for config in progress(engines, f"restore-speed {name}"):
         if config == "ours_l3_cold":
             report["l3_cold_method"] = evict(unit_files(l3_dir), args.drop_caches)
@@ -301,6 +320,12 @@ def run_shape(
             # What this engine left for the next one: the step samples the restarted
             # engines price recompute with (the decision log shows the estimate only).
             report["configs"][config]["calibration_samples"] = calibration_samples(l3_dir)
+        if config == "ours_l3_fill":
+            filled = set(unit_files(l3_dir))
+        elif config.startswith("ours_l3"):
+            # A restart's fresh prompts are never hit again: their units only fill the
+            # disk (session 11: five restarts of 6 x 2.4 GB filled a 64 GiB one).
+            report["configs"][config]["units_removed"] = remove_units_but(l3_dir, filled)
         print(name, config, json.dumps(report["configs"][config])[:400], flush=True)
     summarize(report)
     return report

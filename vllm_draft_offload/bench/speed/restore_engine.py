@@ -10,12 +10,18 @@ from typing import Any
 
 from vllm_draft_offload.bench.speed.l3_dir import unit_files, wait_for_l3_files, write_throughput
 from vllm_draft_offload.bench.speed.shapes import VOCAB
+from vllm_draft_offload.metric_defs import L3_THREAD_CLOCKS, L3_THREAD_OPS
 
 STORED_BYTES = "vllm:draft_offload_stored_bytes_total"
+L3_THREAD_SECONDS = "vllm:draft_offload_l3_thread_seconds_total"
 # restore-speed --l3-variants: the l3 settings each variant's warm restart changes.
 VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "spread": {"spread_reads": True},
     "strict": {"wait_past_allowance": False},
+    # Python's own GIL switch interval (5 ms) instead of the tier's 0.5 ms.
+    "interval5": {"switch_interval_ms": None},
+    # Two writes in flight instead of io_threads.
+    "writes2": {"write_threads": 2},
 }
 
 
@@ -106,14 +112,47 @@ def _l3_counters() -> dict[str, float]:
     }
 
 
+def _l3_thread_seconds() -> dict[str, float]:
+    """Storage threads' summed wall and CPU seconds so far ("read_wall", "read_cpu", ...)."""
+    from vllm_draft_offload.bench.workloads.summary import sum_prefix
+    from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
+
+    counters = snapshot_metrics()
+    return {
+        f"{op}_{clock}": sum_prefix(counters, L3_THREAD_SECONDS, op=op, clock=clock)
+        for op in L3_THREAD_OPS
+        for clock in L3_THREAD_CLOCKS
+    }
+
+
+def _phases(output: Any) -> dict[str, float | None]:
+    """Where a request's TTFT went, from vLLM's own request stats (engine-core clock):
+    waiting to be scheduled (in the waiting queue, or on the connector: a storage
+    lookup or fetch), then from its first scheduling to its first token."""
+    stats = getattr(output, "metrics", None)
+    queued = getattr(stats, "queued_ts", 0.0) or 0.0
+    scheduled = getattr(stats, "scheduled_ts", 0.0) or 0.0
+    first = getattr(stats, "first_token_ts", 0.0) or 0.0
+    return {
+        "waiting_s": scheduled - queued if queued and scheduled else None,
+        "scheduled_to_first_token_s": first - scheduled if scheduled and first else None,
+    }
+
+
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """Child process: one engine, fresh vs hit TTFT over several prompts.
 
-    ``ours_l3_fill`` prefills the prompts and waits for their L3 writes;
-    ``ours_l3`` is the restarted engine: its first hit of each prompt comes from
-    L3 (``hit_s``), a second one after a GPU-cache reset from the CPU tier the
-    first one filled (``cpu_hit_s``); ``fresh_s`` there are new prompts (other
-    ones in each restart: the first restart writes its own to storage).
+    ``ours_l3_fill`` prefills the prompts (two per rep: a restart hits one with no
+    storage writes in flight, one right behind a fresh prompt's) and waits for its L3
+    writes. A restarted engine (``ours_l3``, ``ours_l3_cold``, a variant) first serves
+    a short request (it then is not the engine's first request, which is slower), then
+    per rep: once no write is in flight, hits prompt ``rep`` from L3 (``hit_s``) and
+    again from the CPU tier after a GPU-cache reset (``cpu_hit_s``); once no write is
+    in flight, prefills a new prompt (``fresh_s``: the recompute baseline), right
+    after it another (``fresh_busy_s``, behind the first one's storage writes), and
+    right after that hits prompt ``reps + rep`` from L3 (``busy_hit_s``, behind the
+    second one's writes). ``phases`` splits each timed request's TTFT (vLLM's request
+    stats) and ``l3_thread_seconds`` the storage threads' wall and CPU time during it.
     """
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -142,11 +181,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     )
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ours = args.config.startswith("ours")
+    l3 = args.config.startswith("ours_l3")
+    results: dict[str, Any] = {"config": args.config, "fresh_s": []}
 
-    def prompt(seed: int) -> TokensPrompt:
+    def prompt(seed: int, tokens: int | None = None) -> TokensPrompt:
         return TokensPrompt(
             prompt_token_ids=[
-                (seed * 7919 + i * 131) % (VOCAB - 1000) + 500 for i in range(args.tokens)
+                (seed * 7919 + i * 131) % (VOCAB - 1000) + 500 for i in range(tokens or args.tokens)
             ]
         )
 
@@ -154,11 +195,20 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         """A 2-token request: the engine does what it had pending, nothing is stored."""
         llm.generate([TokensPrompt(prompt_token_ids=[500, 501])], one, use_tqdm=False)
 
-    def timed(p: TokensPrompt, gbps_into: list[float] | None = None) -> tuple[float, int]:
+    def timed(
+        p: TokensPrompt, gbps_into: list[float] | None = None, label: str | None = None
+    ) -> tuple[float, int]:
         before = _copied_by_connector("load") if ours and gbps_into is not None else None
+        threads = _l3_thread_seconds() if l3 and label else None
         start = time.perf_counter()
         out = llm.generate([p], one, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
+        if label:
+            record: dict[str, Any] = {"ttft_s": elapsed, **_phases(out)}
+            if threads is not None:
+                after = _l3_thread_seconds()
+                record["l3_thread_seconds"] = {k: after[k] - threads[k] for k in after}
+            results.setdefault("phases", {}).setdefault(label, []).append(record)
         if before is not None and gbps_into is not None:
             step_engine()  # a load's copy time is read from CUDA events in a later step
             _gbps_since("load", before, gbps_into)
@@ -169,6 +219,28 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         if reset_prefix_cache_after_stores(llm, step_engine, attempts=200, pause_s=0.05) is None:
             raise RuntimeError("GPU prefix cache never emptied: stores did not complete")
 
+    def writes_expected() -> int:
+        """Units the fresh prompts so far hand to storage (whole chunks of each)."""
+        prompts = len(results["fresh_s"]) + len(results.get("fresh_busy_s", []))
+        return prompts * (args.tokens // args.chunk_size)
+
+    def settle_writes(timeout_s: float = 60.0) -> None:
+        """Until every unit of the fresh prompts so far is written (or dropped or
+        failed): the next request runs with no storage write in flight."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            step_engine()  # the workers' write reports reach the counters with steps
+            counters = _l3_counters()
+            if sum(counters.values()) >= writes_expected():
+                return
+            if time.monotonic() > deadline:
+                results["settle_timeouts"] = results.get("settle_timeouts", 0) + 1
+                return
+            time.sleep(0.05)
+
+    def fresh(seed: int, into: str) -> None:
+        results.setdefault(into, []).append(timed(prompt(seed), label=into)[0])
+
     def hit(
         rep: int, into: dict[str, list], prefix: str = "", stores: tuple[float, float] | None = None
     ) -> None:
@@ -177,25 +249,37 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             # Every store of the fresh prompt has completed (its blocks were freed).
             step_engine()
             _gbps_since("store", stores, into.setdefault("store_GBps_metric", []))
-        hit_s, cached = timed(prompt(rep), into.setdefault(f"{prefix}restore_GBps_metric", []))
+        hit_s, cached = timed(
+            prompt(rep), into.setdefault(f"{prefix}restore_GBps_metric", []), f"{prefix}hit_s"
+        )
         into.setdefault(f"{prefix}hit_s", []).append(hit_s)
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
 
-    results: dict[str, Any] = {"config": args.config, "fresh_s": []}
     if is_restart(args.config):
         # Prompts neither the fill engine nor another restart wrote to storage.
         fresh_seed = 100 if args.config == "ours_l3_cold" else getattr(args, "fresh_seed", 200)
+        # Shorter than a chunk: nothing is stored, nothing is looked up.
+        results["warmup_s"] = timed(prompt(9_999, args.chunk_size - 1))[0]
         for rep in range(args.reps):
+            settle_writes()
             hit(rep, results)  # from L3: this engine's CPU tier starts empty
             hit(rep, results, "cpu_")
-            results["fresh_s"].append(timed(prompt(fresh_seed + rep))[0])
+            settle_writes()
+            fresh(fresh_seed + rep, "fresh_s")
+            fresh(fresh_seed + 50 + rep, "fresh_busy_s")
+            # From L3 too (a prompt this engine never saw), behind fresh_busy's writes.
+            busy_s, busy_cached = timed(prompt(args.reps + rep), label="busy_hit_s")
+            results.setdefault("busy_hit_s", []).append(busy_s)
+            results.setdefault("busy_hit_cached", []).append(busy_cached)
+        results["settled"] = _l3_counters()
+        results["writes_expected"] = writes_expected()
         return results
-    # Compile/warm-up; also the TTFT of a fresh engine's first request, the baseline
-    # of a restarted engine's first prompt.
+    # Compile/warm-up; also the TTFT of a fresh engine's first request.
     results["first_request_s"] = timed(prompt(10_000))[0]
     if ours:
         empty_gpu_cache()  # the warm-up's stores land before any store is timed
-    for rep in range(args.reps):
+    # The fill engine stores a second set of prompts: the restarts' busy hits.
+    for rep in range(2 * args.reps if args.config == "ours_l3_fill" else args.reps):
         stores = _copied_by_connector("store") if ours else None
         results["fresh_s"].append(timed(prompt(rep))[0])
         if args.config != "ours_l3_fill":
@@ -208,5 +292,5 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         results["l3_counters"] = _l3_counters()
         results["l3_write"] = write_throughput(unit_files(Path(args.l3_dir)))
         # Whole chunks of the measured prompts and of the warm-up prompt (stored too).
-        results["units_expected"] = (args.reps + 1) * (args.tokens // args.chunk_size)
+        results["units_expected"] = (2 * args.reps + 1) * (args.tokens // args.chunk_size)
     return results

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from vllm_draft_offload.bench.speed.restore_engine import is_restart
+from vllm_draft_offload.metric_defs import L3_THREAD_OPS
 
 # Lines of a child's output worth keeping in the report: the connector's storage
 # decisions and calibration, and anything it warned about.
@@ -78,13 +79,7 @@ def summarize(report: dict[str, Any]) -> None:
             summary[name]["ttft_vs_recompute_per_prompt"] = (
                 [h / (base or own) for h in hit] if (base or own) else None
             )
-            # The first prompt is this engine's first request: against another fresh
-            # engine's first request (the fill engine's warm-up), same prompt length.
-            first = configs.get("ours_l3_fill", {}).get("first_request_s")
-            summary[name]["first_request_recompute_s"] = first
-            summary[name]["first_prompt_vs_first_request_recompute"] = (
-                hit[0] / first if first else None
-            )
+            summary[name].update(restart_extras(result, base or own))
             summary[name]["storage_decisions"] = [
                 line[line.index("L3 decision") :]
                 for line in result.get("l3_decisions", [])
@@ -134,6 +129,42 @@ def summarize(report: dict[str, Any]) -> None:
         }
     report["summary"] = summary
     print(json.dumps(summary, indent=1), flush=True)
+
+
+def restart_extras(result: dict[str, Any], recompute_s: float | None) -> dict[str, Any]:
+    """A restarted engine's hits behind storage writes, its recompute behind them, and
+    where each kind of request's time went (medians of vLLM's request stats and of the
+    storage threads' clocks)."""
+    out: dict[str, Any] = {}
+    busy = result.get("busy_hit_s")
+    if busy:
+        out["busy_hit_tokens_per_prompt"] = result.get("busy_hit_cached")
+        out["busy_hit_ttft_s_per_prompt"] = busy
+        out["busy_ttft_vs_recompute_per_prompt"] = (
+            [h / recompute_s for h in busy] if recompute_s else None
+        )
+    fresh, fresh_busy = result.get("fresh_s"), result.get("fresh_busy_s")
+    if fresh and fresh_busy:
+        # Recompute right behind another prompt's storage writes, against with none.
+        out["fresh_busy_vs_fresh"] = _median(fresh_busy) / _median(fresh)
+    phases: dict[str, Any] = {}
+    for label, records in (result.get("phases") or {}).items():
+        row: dict[str, Any] = {}
+        for key in ("ttft_s", "waiting_s", "scheduled_to_first_token_s"):
+            values = [r[key] for r in records if r.get(key) is not None]
+            row[key] = _median(values) if values else None
+        for op in L3_THREAD_OPS:
+            walls = [r.get("l3_thread_seconds", {}).get(f"{op}_wall", 0.0) for r in records]
+            cpus = [r.get("l3_thread_seconds", {}).get(f"{op}_cpu", 0.0) for r in records]
+            if sum(walls) > 0:
+                row[f"l3_{op}_thread_s"] = sum(walls) / len(walls)
+                row[f"l3_{op}_cpu_of_wall"] = sum(cpus) / sum(walls)
+        phases[label] = row
+    if phases:
+        out["phases"] = phases
+    if "settle_timeouts" in result:
+        out["settle_timeouts"] = result["settle_timeouts"]
+    return out
 
 
 def combine(reports: dict[str, dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
