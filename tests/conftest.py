@@ -16,6 +16,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The environment the run started with. vLLM engines run in this process set process-wide
+# variables (its CPU platform: LD_PRELOAD, LOCAL_WORLD_SIZE, VLLM_SSM_CONV_STATE_LAYOUT,
+# thread counts; a worker: VLLM_DIST_IDENT), which later tests' servers would inherit.
+STARTUP_ENV = dict(os.environ)
+
+
+@pytest.fixture(autouse=True)
+def _environ_restored() -> Iterator[None]:
+    """Each test ends with os.environ as it began (what an in-process engine set is gone)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:

@@ -201,11 +201,15 @@ def test_e2e_connector_restores_gated_deltanet_state_without_a_drafter(
     ours = {
         "kv_connector": "DraftOffloadConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": 200_000_000, "chunk_size": block},
+        # Twice the recorded block size: vLLM runs the float32 checkpoint in bfloat16, and
+        # on a CPU with AVX512-BF16 (accelerated GDN, which refuses float32) it keeps the
+        # state in float32, in twice the block size the fixture records for one dtype.
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 200_000_000, "chunk_size": 2 * block},
     }
     out = tmp_path / "result.json"
     args = ["--model", str(fixture_dir), "--spec-method", "none", "--block-size", str(block)]
     args += ["--num-prompts", "2", "--max-tokens", "16", "--enforce-eager", "--out", str(out)]
+    args += ["--prompt-tokens", str(4 * block + 32)]  # whole chunks to hit at either size
     rc = cli.main(["accept", *args, "--kv-transfer-config", json.dumps(ours)])
     res = AcceptCheckResult.model_validate_json(out.read_text())
     assert rc == 0 and res.error is None, res.error

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kv_sim import SimEngine, prompt
@@ -318,6 +319,15 @@ def test_shutdown_flushes_queued_writes_or_counts_them_lost(
         assert fallbacks["l3_write_lost_shutdown"] == 3
 
 
+def _four_chunks_written(eng: SimEngine, seed: int) -> dict[str, Any]:
+    """A 4-chunk prompt run, its storage writes settled: what the worker published."""
+    eng.add_request("r", prompt(seed, 4 * CHUNK + 2), max_tokens=1)
+    eng.run_until_done()
+    settle_writes(eng)
+    eng.step()
+    return eng.take_published()
+
+
 def test_writes_of_one_store_job_run_in_parallel(
     model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -335,14 +345,44 @@ def test_writes_of_one_store_job_run_in_parallel(
         return real_encode(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(l3_tier, "copy_unit_into", encode_together)
-    eng.add_request("r", prompt(53, 4 * CHUNK + 2), max_tokens=1)
-    eng.run_until_done()
-    settle_writes(eng)
-    eng.step()
-    published = eng.take_published()
+    published = _four_chunks_written(eng, seed=53)
     assert "store_failed" not in published.get("fallbacks", {})
     assert published["chunks"]["store/l3"] == 4
     eng.worker.shutdown()
+
+
+def test_write_threads_bound_writes_in_flight_and_threads_are_clocked(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    l3 = {"enabled": True, "timeout_s": 5.0, "io_threads": 4, "write_threads": 2}
+    eng = l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}", extra_config={"l3": l3})
+    worker_l3 = eng.worker.worker.l3
+    assert worker_l3 is not None and worker_l3.write_threads == 2
+    lock, running, most = threading.Lock(), [0], [0]
+    real_copy = l3_tier.copy_unit_into
+
+    def counted_copy(*args: object, **kwargs: object) -> object:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)  # long enough for every free write thread to start one
+        try:
+            return real_copy(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(l3_tier, "copy_unit_into", counted_copy)
+    published = _four_chunks_written(eng, seed=54)
+    assert published["chunks"]["store/l3"] == 4
+    assert most[0] == 2
+    # Each write's wall time covers the 50 ms it slept, its CPU time does not.
+    clocks = published["l3_thread_seconds"]
+    assert clocks["write/wall"] >= 4 * 0.05
+    assert 0 < clocks["write/cpu"] < clocks["write/wall"]
+    eng.worker.shutdown()
+    with pytest.raises(ConfigError, match=r"l3\.write_threads"):
+        parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"write_threads": 0}})
 
 
 def test_io_threads_default_from_host_and_flush_timeout_checked() -> None:

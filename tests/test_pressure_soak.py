@@ -411,6 +411,10 @@ def _soak(fx: Path, out: Path, backend: str, baseline_s: str) -> dict[str, Any]:
     # replayed sample: greedy outputs equal the no-connector reference
     assert s["replay"]["n"] > 0 and s["replay"]["mismatches"] == 0
     assert s["replay"]["control_mismatches"] == 0
+    # the reference recorded each pick's margin: a flip would be judged where it happens
+    assert s["replay"]["margins_known"] and s["replay"]["flips"] == []
+    margins = data["runs"]["replay"]["reference_margins"]
+    assert [len(m) for m in margins] == [len(x["output"]) for x in ours["replay_sample"]]
     # memory sampled over time; the CPU-tier pool is flat and within its budget
     m = s["memory"]
     assert m["samples"] >= 3 and m["pool_min"] == m["pool_max"] <= data["cpu_bytes"]
@@ -500,6 +504,49 @@ def test_soak_verdicts_count_crashes_wrong_outputs_and_memory(tmp_path: Path) ->
     grew["runs"]["ours"]["samples"][-1]["pool_bytes"] += 1
     s = _soak_report(tmp_path / "c", grew)
     assert any("pool" in f for f in s["failed"])
+
+
+def test_soak_replay_judges_each_flip_by_the_reference_margin(tmp_path: Path) -> None:
+    """With margins recorded, a replayed answer that flips where the reference's pick was
+    a near-tie is numerics; one that flips a confident pick fails the soak, even when the
+    reversed-order control flipped as often. Runs recorded without margins fail on any
+    difference."""
+    base = json.loads(SOAK_EXAMPLE.read_text())
+    sample = base["runs"]["ours"]["replay_sample"]
+    rep = base["runs"]["replay"]
+    assert "reference_margins" not in rep  # recorded before margins were
+    rep["reference_margins"] = [[5.0] * len(out) for out in rep["reference"]]
+    assert len(sample) >= 2 and min(len(x["output"]) for x in sample[:2]) >= 3
+    tied = copy.deepcopy(base)
+    tied["runs"]["replay"]["reference_margins"][0][2] = 0.03
+    tied["runs"]["ours"]["replay_sample"][0]["output"][2] += 1
+    s = _soak_report(tmp_path / "a", tied)
+    assert s["verdict"] == "pass", s["failed"]
+    assert s["replay"]["mismatches"] == 1 and s["replay"]["confident_flips"] == 0
+    assert s["replay"]["flips"] == [
+        {"seq": sample[0]["seq"], "first_diff": 2, "cached": sample[0].get("cached"),
+         "reference_margin": 0.03, "near_tie": True}
+    ]  # fmt: skip
+    confident = copy.deepcopy(tied)
+    confident["runs"]["ours"]["replay_sample"][1]["output"][1] += 1
+    confident["runs"]["replay"]["control"][0][0] += 1
+    s = _soak_report(tmp_path / "b", confident)
+    assert s["verdict"] == "fail" and s["replay"]["confident_flips"] == 1
+    assert s["replay"]["control_mismatches"] == 1 and len(s["replay"]["control_flips"]) == 1
+    assert "1/8 replayed outputs differ at a pick the reference made by >= 0.1 nats" in s["failed"]
+    md = (tmp_path / "b" / "out" / "soak.md").read_text()
+    assert "at a confident pick: 1" in md and "| soak | ours |" in md and "**no**" in md
+    # a looser threshold given at report time excuses it
+    path = tmp_path / "b" / "in.json"
+    assert cli.main(["soak", "--report-only", str(path), "--out", str(tmp_path / "c"),
+                     "--near-tie-nats", "6"]) == 0  # fmt: skip
+    s = json.loads((tmp_path / "c" / "soak.json").read_text())["summary"]
+    assert s["verdict"] == "pass", s["failed"]
+    # without margins, any difference fails as before
+    del confident["runs"]["replay"]["reference_margins"]
+    s = _soak_report(tmp_path / "d", confident)
+    assert s["verdict"] == "fail" and not s["replay"]["margins_known"]
+    assert "2/" in " ".join(s["failed"])
 
 
 def test_top_margins_from_vllm_logprobs() -> None:

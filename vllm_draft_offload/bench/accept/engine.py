@@ -78,6 +78,11 @@ def prepare_cpu_platform() -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if torch.cpu._is_amx_tile_supported():
+        # vLLM's AMX attention kernel (bfloat16, a prefill on top of cached KV) runs tile
+        # instructions without asking Linux for the AMX state first: the process dies by
+        # SIGILL unless something (oneDNN, or this) asked before.
+        torch.cpu._init_amx()
     if hasattr(torch.ops._C, "init_cpu_memory_env"):
         return
     for name in cpu_kernel_modules():

@@ -38,6 +38,7 @@ from vllm_draft_offload.bench.stress.jobs import (
 from vllm_draft_offload.bench.stress.load import plan_pressure
 from vllm_draft_offload.bench.stress.report import (
     NEAR_TIE_NATS,
+    add_near_tie_option,
     pressure_markdown,
     pressure_summary,
 )
@@ -79,13 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "where recompute is faster: the run then checks storage restores under pressure",
     )
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
-    ap.add_argument(
-        "--near-tie-nats",
-        type=float,
-        default=None,
-        help="an answer that first differs from the reference where the reference's pick "
-        f"led by less than this is a numerics near-tie (default {NEAR_TIE_NATS})",
-    )
+    add_near_tie_option(ap)
     ap.add_argument("--dtype", help="engine dtype (auto; dry run float32)")
     add_eager_or_compile(ap)
     ap.add_argument("--num-spec-tokens", type=int, default=3)

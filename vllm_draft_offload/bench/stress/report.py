@@ -8,6 +8,7 @@ as `workloads.worker.snapshot_metrics` writes them, e.g.
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,16 @@ MIN_EXT_HIT_FRACTION = 0.05  # "well above zero": >= 5 % of prompt tokens from t
 # the runner-up by less than this (nats) is a numerics near-tie, not wrong KV. On an H100
 # (bf16), the GPU prefix cache alone, with no connector, flipped such picks.
 NEAR_TIE_NATS = 0.1
+
+
+def add_near_tie_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--near-tie-nats",
+        type=float,
+        default=None,
+        help="an answer that first differs from the reference where the reference's pick "
+        f"led by less than this is a numerics near-tie (default {NEAR_TIE_NATS})",
+    )
 
 
 def _al(accepted: float, steps: float) -> float | None:
@@ -296,20 +307,20 @@ def pressure_markdown(data: dict[str, Any]) -> str:
             "(the CPU tier dropped them before use); `loaded_chunk_tokens` in the JSON "
             "has what each tier moved.",
         ]
-    lines += _flip_lines(s["rows"], float(data.get("near_tie_nats", NEAR_TIE_NATS)))
+    flipped = [
+        (r["drafter"], role, f)
+        for r in s["rows"]
+        for role in ("ours", "control")
+        for f in r.get(f"{role}_flips", [])
+    ]
+    lines += _flip_lines(flipped, float(data.get("near_tie_nats", NEAR_TIE_NATS)))
     if data.get("dry_run"):
         lines += ["", "CPU dry run: tiny fixtures, numbers show the pipeline only."]
     return "\n".join(lines) + "\n"
 
 
-def _flip_lines(rows: list[dict[str, Any]], near_tie: float) -> list[str]:
-    """Every answer that differs from the reference, ours and the control's."""
-    flipped = [
-        (r["drafter"], role, f)
-        for r in rows
-        for role in ("ours", "control")
-        for f in r.get(f"{role}_flips", [])
-    ]
+def _flip_lines(flipped: list[tuple[str, str, dict[str, Any]]], near_tie: float) -> list[str]:
+    """Every answer that differs from the reference, as (config, run, flip)."""
     if not flipped:
         return []
     lines = [
@@ -417,14 +428,18 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
         kinds[q["kind"]] = kinds.get(q["kind"], 0) + 1
     replay: dict[str, Any] = {"n": 0, "mismatches": None, "control_mismatches": None}
     if rep and rep.get("status") == "ok":
-        sample = ours.get("replay_sample") or []
-        outs = [x["output"] for x in sample]
-        replay = {
-            "n": len(outs),
-            "mismatches": _mismatches(outs, rep["reference"]),
-            "control_mismatches": _mismatches(rep["control"], rep["reference"]),
-        }
-        if replay["mismatches"]:
+        replay = replay_summary(
+            ours.get("replay_sample") or [], rep, float(data.get("near_tie_nats", NEAR_TIE_NATS))
+        )
+        if replay["margins_known"]:
+            # judged like the pressure run's flips: wrong KV changes confident picks,
+            # numerics (a batch's shapes, cached vs computed KV) flips near-ties only
+            if replay["confident_flips"]:
+                failed.append(
+                    f"{replay['confident_flips']}/{replay['n']} replayed outputs differ at a "
+                    f"pick the reference made by >= {replay['near_tie_nats']} nats"
+                )
+        elif replay["mismatches"]:
             failed.append(f"{replay['mismatches']}/{replay['n']} replayed outputs differ")
     else:
         failed.append("replay did not run" if not rep else f"replay {rep.get('status')}")
@@ -489,6 +504,34 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def replay_summary(
+    sample: list[dict[str, Any]], rep: dict[str, Any], near_tie: float
+) -> dict[str, Any]:
+    """Ours' replayed sample against the no-connector reference (and the reference's
+    reversed-order control): mismatches, and each flip with the reference's margin where
+    the replay recorded margins (runs before that: ``margins_known`` False)."""
+    outs = [x["output"] for x in sample]
+    margins = rep.get("reference_margins")
+    reference = [
+        {"output": out, "margins": margins[i] if margins else None}
+        for i, out in enumerate(rep["reference"])
+    ]
+    control = [
+        {"seq": x.get("seq"), "output": out} for x, out in zip(sample, rep["control"], strict=True)
+    ]
+    ours_flips = flips(sample, reference, near_tie)
+    return {
+        "n": len(outs),
+        "mismatches": _mismatches(outs, rep["reference"]),
+        "control_mismatches": _mismatches(rep["control"], rep["reference"]),
+        "margins_known": bool(margins),
+        "near_tie_nats": near_tie,
+        "flips": ours_flips,
+        "control_flips": flips(control, reference, near_tie),
+        "confident_flips": sum(not f["near_tie"] for f in ours_flips),
+    }
+
+
 def _rss_span(span: Any, m: Any) -> str:
     start, end = span or (None, None)
     if start == end == 0:
@@ -515,7 +558,12 @@ def soak_markdown(data: dict[str, Any]) -> str:
         ("requests", f"{s['requests']['total']} {s['requests']['by_kind']}"),
         (
             "replayed outputs differing",
-            f"{rep['mismatches']} / {rep['n']} (control {rep['control_mismatches']})",
+            f"{rep['mismatches']} / {rep['n']} (control {rep['control_mismatches']})"
+            + (
+                f"; at a confident pick: {rep['confident_flips']}"
+                if rep.get("margins_known")
+                else ""
+            ),
         ),
         ("acceptance restored / fresh", _al_cell(s["acceptance"])),
         ("hit tokens cpu / l3", f"{_f(hits['cpu'], '{}')} / {_f(hits['l3'], '{}')}"),
@@ -561,7 +609,10 @@ def soak_markdown(data: dict[str, Any]) -> str:
         "| field | value |",
         "|---|---|",
     ]
-    return "\n".join(head + [f"| {k} | {v} |" for k, v in rows]) + "\n"
+    flipped = [("soak", "ours", f) for f in rep.get("flips") or []]
+    flipped += [("soak", "control", f) for f in rep.get("control_flips") or []]
+    tail = _flip_lines(flipped, float(rep.get("near_tie_nats", NEAR_TIE_NATS)))
+    return "\n".join(head + [f"| {k} | {v} |" for k, v in rows] + tail) + "\n"
 
 
 def soak_plot(data: dict[str, Any], path: Path) -> None:

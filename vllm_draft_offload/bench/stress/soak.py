@@ -45,7 +45,13 @@ from vllm_draft_offload.bench.stress.jobs import (
     worker_env,
 )
 from vllm_draft_offload.bench.stress.load import SoakLoad
-from vllm_draft_offload.bench.stress.report import soak_markdown, soak_plot, soak_summary
+from vllm_draft_offload.bench.stress.report import (
+    NEAR_TIE_NATS,
+    add_near_tie_option,
+    soak_markdown,
+    soak_plot,
+    soak_summary,
+)
 from vllm_draft_offload.bench.workloads.run import read_model_limits
 from vllm_draft_offload.bench.workloads.specs import parse_drafters
 
@@ -90,6 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replay-n", type=int, help="finished requests replayed (64; dry run 8)")
     ap.add_argument("--max-requests", type=int, help="bound on requests per engine")
     ap.add_argument("--no-faults", action="store_true")
+    add_near_tie_option(ap)
     ap.add_argument(
         "--faults",
         default=",".join(FAULTS),
@@ -158,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        return _write(json.loads(args.report_only.read_text()), out)
+        data = json.loads(args.report_only.read_text())
+        if args.near_tie_nats is not None:
+            data["near_tie_nats"] = args.near_tie_nats
+        return _write(data, out)
     model = args.model or (str(Path(args.fixtures) / "target") if args.fixtures else None)
     if model is None:
         raise SystemExit("give --model or --fixtures")
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         **run_header("soak", "vllm-draft-offload soak", argv, dry, args.batch_invariant),
         "backend": args.backend,
         "seconds": seconds,
+        "near_tie_nats": NEAR_TIE_NATS if args.near_tie_nats is None else args.near_tie_nats,
         "load": load.to_dict(),
         "drafter": {**drafter.__dict__, "label": drafter.label},
         "chunk_size": chunk,
@@ -256,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     data["runs"]["replay"] = {
         "status": rec.get("status") if "reference" in rec else "not run",
         "reference": rec.pop("reference", None),
+        "reference_margins": rec.pop("reference_margins", None),
         "control": rec.pop("control", None),
         "engine": "baseline (no connector, GPU prefix cache reset before the replay)",
     }

@@ -163,7 +163,13 @@ class Worker:
             for f in res.finished
         ]
         self.result["replay_sample"] = [
-            {"seq": f.seq, "kind": f.kind, "prompt": f.prompt, "output": f.output}
+            {
+                "seq": f.seq,
+                "kind": f.kind,
+                "prompt": f.prompt,
+                "output": f.output,
+                "cached": f.record.get("cached"),
+            }  # fmt: skip
             for f in res.finished
             if sampled(f.seq)
         ]
@@ -172,15 +178,22 @@ class Worker:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from vllm_draft_offload.bench.workloads.worker import top_margins
+
         items = self.job["replay"]
         prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in items]
+        # logprobs=2 (greedy picks stay the same): each reference pick's lead over the
+        # runner-up, so the report tells a near-tie flip (numerics) from a confident one
         params = [
-            SamplingParams(temperature=0.0, max_tokens=len(r["output"]), ignore_eos=True)
+            SamplingParams(
+                temperature=0.0, max_tokens=len(r["output"]), ignore_eos=True, logprobs=2
+            )
             for r in items
         ]
         first = self.llm.generate(prompts, params, use_tqdm=False)
         second = self.llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]
         self.result["reference"] = [list(o.outputs[0].token_ids) for o in first]
+        self.result["reference_margins"] = [top_margins(o.outputs[0].logprobs or []) for o in first]
         self.result["control"] = [list(o.outputs[0].token_ids) for o in second]
 
     def _driver_result(self, res: Any) -> None:
