@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.unit_codec import (
     LayerSpec,
+    UnitIdentity,
     encode_unit,
     layer_view,
     make_header,
@@ -118,13 +120,15 @@ def test_cold_lookups_of_many_requests_overlap(tmp_path: Path) -> None:
 def _put_unit(store: L3Store, chunk_key: bytes, rank: int, successors: tuple[int, ...]) -> None:
     payload = np.zeros(64, dtype=np.uint8)
     header = make_header(
-        key=chunk_key.hex(),
-        geometry_fingerprint="g",
-        drafter_id="d",
-        num_tokens=CHUNK,
-        layers=(LayerSpec("layer", False, 64),),
-        payload=payload,
-        successor_tokens=successors,
+        UnitIdentity(
+            key=chunk_key.hex(),
+            geometry_fingerprint="g",
+            drafter_id="d",
+            num_tokens=CHUNK,
+            successor_tokens=successors,
+        ),
+        (LayerSpec("layer", False, 64),),
+        payload,
     )
     store.put(object_key(chunk_key, rank), encode_unit(header, payload))
 
@@ -215,14 +219,7 @@ def test_ranks_with_different_successors_mean_recompute_and_deletion(
 def _with_successors(blob: bytes, successors: tuple[int, ...]) -> bytes:
     header, payload = read_header(blob)
     layers = [(e.name, e.is_draft, layer_view(payload, e)) for e in header.layers]
-    return pack_unit(
-        key=header.key,
-        geometry_fingerprint=header.geometry_fingerprint,
-        drafter_id=header.drafter_id,
-        num_tokens=header.num_tokens,
-        layers=layers,
-        successor_tokens=successors,
-    )[1]
+    return pack_unit(replace(header.identity, successor_tokens=successors), layers)[1]
 
 
 def test_unexpected_lookup_error_is_a_counted_miss(

@@ -24,7 +24,7 @@ from vllm_draft_offload.hit_logic import PrefixMatch, StoredUnitView, match_pref
 from vllm_draft_offload.l3_prefetch import RANK_MISMATCH, L3Prefetch
 from vllm_draft_offload.l3_tier import SchedulerL3, object_key
 from vllm_draft_offload.metrics import DraftOffloadStats
-from vllm_draft_offload.unit_codec import LayerSpec, encode_unit, make_header
+from vllm_draft_offload.unit_codec import LayerSpec, UnitIdentity, encode_unit, make_header
 
 CHUNK = 4
 CHUNKS = 6
@@ -56,13 +56,15 @@ def put_prompt(scheduler_l3: SchedulerL3) -> list[bytes]:
     payload = np.zeros(16, dtype=np.uint8)
     for key in keys:
         header = make_header(
-            key=key.hex(),
-            geometry_fingerprint="g",
-            drafter_id="d",
-            num_tokens=CHUNK,
-            layers=(LayerSpec("l", False, 16),),
-            payload=payload,
-            successor_tokens=(),
+            UnitIdentity(
+                key=key.hex(),
+                geometry_fingerprint="g",
+                drafter_id="d",
+                num_tokens=CHUNK,
+                successor_tokens=(),
+            ),
+            (LayerSpec("l", False, 16),),
+            payload,
         )
         assert scheduler_l3.store is not None
         scheduler_l3.store.put(object_key(key, 0), encode_unit(header, payload))

@@ -26,7 +26,7 @@ from redis_fixture import RedisServer, free_port, redis_server_binary, wait_for_
 from vllm_draft_offload.l3_backends import L3Settings, load_lmcache_config, make_key
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_store import L3Store
-from vllm_draft_offload.unit_codec import UnitRejected, pack_unit
+from vllm_draft_offload.unit_codec import UnitIdentity, UnitRejected, pack_unit
 from vllm_draft_offload.unit_verify import ExpectedUnit, decode_unit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,12 +73,14 @@ def realistic_unit(
     draft_bytes = target_layer_bytes * 3 // 32
     layers += [(f"draft.layers.{i}.attn", True, rng.randbytes(draft_bytes)) for i in range(2)]
     header, blob = pack_unit(
-        key=key,
-        geometry_fingerprint="tiny-llama|bf16|blk16",
-        drafter_id="eagle3-tiny@1",
-        num_tokens=256,
-        layers=layers,
-        successor_tokens=[rng.randrange(32000)],
+        UnitIdentity(
+            key=key,
+            geometry_fingerprint="tiny-llama|bf16|blk16",
+            drafter_id="eagle3-tiny@1",
+            num_tokens=256,
+            successor_tokens=[rng.randrange(32000)],
+        ),
+        layers,
     )
     expected = ExpectedUnit(
         key=key,

@@ -8,6 +8,7 @@ L3 clients, with nothing shared with the old one but the storage backend.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -164,14 +165,8 @@ def _reencode(blob: bytes, *, drop_draft: bool = False, drafter_id: str | None =
         for entry in header.layers
         if not (drop_draft and entry.is_draft)
     ]
-    _, new_blob = pack_unit(
-        key=header.key,
-        geometry_fingerprint=header.geometry_fingerprint,
-        drafter_id=drafter_id or header.drafter_id,
-        num_tokens=header.num_tokens,
-        layers=layers,
-        successor_tokens=header.successor_tokens,
-    )
+    identity = replace(header.identity, drafter_id=drafter_id or header.drafter_id)
+    _, new_blob = pack_unit(identity, layers)
     return new_blob
 
 

@@ -16,6 +16,7 @@ from vllm_draft_offload.unit_codec import (
     REJECT_CAUSES,
     LayerSpec,
     UnitHeader,
+    UnitIdentity,
     UnitRejected,
     encode_unit,
     encode_unit_into,
@@ -71,7 +72,7 @@ def _pack(layers: list[tuple[str, bool, bytes]], **over: object) -> tuple[UnitHe
         "successor_tokens": SUCC,
     }
     fields.update(over)
-    return pack_unit(layers=layers, **fields)  # type: ignore[arg-type]
+    return pack_unit(UnitIdentity(**fields), layers)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -109,13 +110,15 @@ def test_encode_unit_and_make_header_agree_with_pack_unit(
     layers, header, blob = unit
     payload = b"".join(b for _, _, b in layers)
     h2 = make_header(
-        key=KEY,
-        geometry_fingerprint=FP,
-        drafter_id=DRAFTER,
-        num_tokens=16,
-        layers=[(n, d, len(b)) for n, d, b in layers],
-        payload=payload,
-        successor_tokens=list(SUCC),
+        UnitIdentity(
+            key=KEY,
+            geometry_fingerprint=FP,
+            drafter_id=DRAFTER,
+            num_tokens=16,
+            successor_tokens=list(SUCC),
+        ),
+        [(n, d, len(b)) for n, d, b in layers],
+        payload,
     )
     assert h2 == header
     assert encode_unit(h2, payload, verify=True) == blob
@@ -127,23 +130,16 @@ def test_in_place_encode_gives_the_same_blob(
 ) -> None:
     layers, _, _ = unit
     specs = [LayerSpec(n, d, len(b)) for n, d, b in layers]
-    fields: dict[str, object] = {
-        "key": KEY,
-        "geometry_fingerprint": FP,
-        "drafter_id": DRAFTER,
-        "num_tokens": 16,
-        "layers": specs,
-        "successor_tokens": successors,
-    }
-    frame = unit_frame(**fields)  # type: ignore[arg-type]
+    identity = UnitIdentity(KEY, FP, DRAFTER, 16, successors)
+    frame = unit_frame(identity, specs)
     out = bytearray(b"\xee" * frame.nbytes)
     out[frame.header_nbytes :] = b"".join(b for _, _, b in layers)
-    header = encode_unit_into(memoryview(out), frame, **fields)  # type: ignore[arg-type]
+    header = encode_unit_into(memoryview(out), frame, identity, specs)
     _, blob = _pack(layers, successor_tokens=successors)
     assert bytes(out) == blob
     assert decode_unit(bytes(out), _expected(layers, successor_tokens=successors))[0] == header
     with pytest.raises(ValueError, match="needs"):
-        encode_unit_into(memoryview(out)[:-1], frame, **fields)  # type: ignore[arg-type]
+        encode_unit_into(memoryview(out)[:-1], frame, identity, specs)
 
 
 def test_empty_successor_list_round_trips() -> None:
@@ -285,12 +281,9 @@ def test_encode_rejects_inconsistent_input(
         encode_unit(header, bytes(tampered), verify=True)
     with pytest.raises(ValueError, match="cover"):
         make_header(
-            key=KEY,
-            geometry_fingerprint=FP,
-            drafter_id=DRAFTER,
-            num_tokens=16,
-            layers=[(n, d, len(b)) for n, d, b in layers[:-1]],
-            payload=payload,
+            UnitIdentity(key=KEY, geometry_fingerprint=FP, drafter_id=DRAFTER, num_tokens=16),
+            [(n, d, len(b)) for n, d, b in layers[:-1]],
+            payload,
         )
 
 

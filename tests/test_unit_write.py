@@ -4,6 +4,7 @@ same payload, whatever the piece size against the layer boundaries."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from vllm_draft_offload.unit_codec import (
     LayerSpec,
+    UnitIdentity,
     UnitRejected,
     pack_unit,
     unit_frame,
@@ -21,6 +23,7 @@ from vllm_draft_offload.unit_write import copy_unit_into
 
 KEY = "ab" * 16
 FIELDS = {"key": KEY, "geometry_fingerprint": "fp", "drafter_id": "d", "num_tokens": 16}
+IDENTITY = UnitIdentity(**FIELDS)  # type: ignore[arg-type]
 
 
 def _write(sizes: list[int], piece_bytes: int, seed: int = 0) -> tuple[bytes, bytes, list]:
@@ -29,17 +32,18 @@ def _write(sizes: list[int], piece_bytes: int, seed: int = 0) -> tuple[bytes, by
     layers = [(f"l{i}", i % 3 == 2, rng.randbytes(n)) for i, n in enumerate(sizes)]
     specs = [LayerSpec(name, draft, len(data)) for name, draft, data in layers]
     succ = (7, 8)
-    frame = unit_frame(layers=specs, successor_tokens=succ, **FIELDS)
+    identity = replace(IDENTITY, successor_tokens=succ)
+    frame = unit_frame(identity, specs)
     out = bytearray(b"\xee" * frame.nbytes)
     source = bytearray(b"".join(data for _, _, data in layers))
     copied = []
     header = copy_unit_into(
-        memoryview(out), frame, memoryview(source), layers=specs, successor_tokens=succ,
+        memoryview(out), frame, memoryview(source), identity, specs,
         on_copied=lambda: copied.append(bytes(out[frame.header_nbytes :]) == bytes(source)),
-        piece_bytes=piece_bytes, **FIELDS,
+        piece_bytes=piece_bytes,
     )  # fmt: skip
     assert copied == [True]  # called once, with every byte copied
-    _, blob = pack_unit(layers=layers, successor_tokens=succ, **FIELDS)
+    _, blob = pack_unit(identity, layers)
     expected = ExpectedUnit(layers=tuple(specs), successor_tokens=succ, **FIELDS)
     assert decode_unit(bytes(out), expected)[0] == header
     return bytes(out), blob, layers
@@ -83,9 +87,9 @@ def test_damage_to_what_was_written_is_refused() -> None:
 
 def test_sizes_that_disagree_are_refused() -> None:
     specs = [LayerSpec("a", False, 10)]
-    frame = unit_frame(layers=specs, **FIELDS)
+    frame = unit_frame(IDENTITY, specs)
     out = memoryview(bytearray(frame.nbytes))
     with pytest.raises(ValueError, match="source"):
-        copy_unit_into(out, frame, memoryview(bytearray(9)), layers=specs, **FIELDS)
+        copy_unit_into(out, frame, memoryview(bytearray(9)), IDENTITY, specs)
     with pytest.raises(ValueError, match="needs"):
-        copy_unit_into(out[:-1], frame, memoryview(bytearray(10)), layers=specs, **FIELDS)
+        copy_unit_into(out[:-1], frame, memoryview(bytearray(10)), IDENTITY, specs)

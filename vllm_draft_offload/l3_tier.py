@@ -31,7 +31,7 @@ from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.transfers import HostPool
-from vllm_draft_offload.unit_codec import LayerSpec, UnitRejected, unit_frame
+from vllm_draft_offload.unit_codec import LayerSpec, UnitIdentity, UnitRejected, unit_frame
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
 from vllm_draft_offload.unit_write import copy_unit_into
@@ -336,15 +336,14 @@ class WorkerL3:
             store = self.store
             if store is None:
                 raise L3Error("unavailable", "no L3 backend", op="put")
-            fields = dict(
+            identity = UnitIdentity(
                 key=order.chunk_key.hex(),
                 geometry_fingerprint=self.fingerprint,
                 drafter_id=self.drafter_id,
                 num_tokens=self.layout.chunk_size,
-                layers=self.layer_specs,
                 successor_tokens=order.successors,
             )
-            frame = unit_frame(**fields)
+            frame = unit_frame(identity, self.layer_specs)
 
             def release() -> None:
                 # The bytes are LMCache's now: the slot may be reused from here on.
@@ -354,7 +353,7 @@ class WorkerL3:
 
             def fill(buf: memoryview) -> None:
                 slot = memoryview(self.pool.unit_view(order.slot).numpy())
-                copy_unit_into(buf, frame, slot, on_copied=release, **fields)
+                copy_unit_into(buf, frame, slot, identity, self.layer_specs, on_copied=release)
 
             store.put_with(object_key(order.chunk_key, self.rank), frame.nbytes, fill)
             ok = True

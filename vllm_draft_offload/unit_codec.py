@@ -100,6 +100,23 @@ class LayerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitIdentity:
+    """What a unit is the KV of, written into its header and checked on every read: the
+    chunk's key, the engine's geometry and drafter, the tokens it covers, and the tokens
+    after it that its last draft positions read (EAGLE: ``successor_tokens``)."""
+
+    key: str
+    geometry_fingerprint: str
+    drafter_id: str
+    num_tokens: int
+    successor_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Callers pass lists and numpy ints; a tuple of ints keeps it hashable and JSON-able.
+        object.__setattr__(self, "successor_tokens", tuple(int(t) for t in self.successor_tokens))
+
+
+@dataclass(frozen=True, slots=True)
 class UnitHeader:
     key: str
     geometry_fingerprint: str
@@ -118,6 +135,32 @@ class UnitHeader:
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         return tuple(LayerSpec(e.name, e.is_draft, e.nbytes) for e in self.layers)
+
+    @property
+    def identity(self) -> UnitIdentity:
+        return UnitIdentity(
+            self.key, self.geometry_fingerprint, self.drafter_id, self.num_tokens,
+            self.successor_tokens,
+        )  # fmt: skip
+
+    @classmethod
+    def of(
+        cls,
+        identity: UnitIdentity,
+        layers: Sequence[LayerEntry],
+        payload_checksum: str,
+        payload_nbytes: int,
+    ) -> UnitHeader:
+        return cls(
+            key=identity.key,
+            geometry_fingerprint=identity.geometry_fingerprint,
+            drafter_id=identity.drafter_id,
+            num_tokens=identity.num_tokens,
+            layers=tuple(layers),
+            payload_checksum=payload_checksum,
+            payload_nbytes=payload_nbytes,
+            successor_tokens=identity.successor_tokens,
+        )
 
 
 def payload_hasher() -> xxhash.xxh3_128:
@@ -141,14 +184,9 @@ def header_digest(raw: Buffer) -> bytes:
 
 
 def make_header(
-    *,
-    key: str,
-    geometry_fingerprint: str,
-    drafter_id: str,
-    num_tokens: int,
+    identity: UnitIdentity,
     layers: Sequence[LayerSpec | tuple[str, bool, int]],
     payload: Buffer,
-    successor_tokens: Sequence[int] = (),
 ) -> UnitHeader:
     """Build the header for ``payload``, where the layers are packed back to back in order."""
     mv = memoryview(payload).cast("B")
@@ -163,28 +201,14 @@ def make_header(
         offset = end
     if offset != mv.nbytes:
         raise ValueError(f"layers cover {offset} bytes but the payload has {mv.nbytes}")
-    return header_with_digests(
-        key=key,
-        geometry_fingerprint=geometry_fingerprint,
-        drafter_id=drafter_id,
-        num_tokens=num_tokens,
-        layers=specs,
-        layer_digests=digests,
-        payload_digest=checksum(mv),
-        successor_tokens=successor_tokens,
-    )
+    return header_with_digests(identity, specs, digests, checksum(mv))
 
 
 def header_with_digests(
-    *,
-    key: str,
-    geometry_fingerprint: str,
-    drafter_id: str,
-    num_tokens: int,
+    identity: UnitIdentity,
     layers: Sequence[LayerSpec],
     layer_digests: Sequence[str],
     payload_digest: str,
-    successor_tokens: Sequence[int] = (),
 ) -> UnitHeader:
     """The header of a payload whose layers (back to back, in order) and whole bytes
     hash to ``layer_digests`` and ``payload_digest`` (``checksum``'s hex digests)."""
@@ -195,16 +219,7 @@ def header_with_digests(
     for spec, digest in zip(layers, layer_digests, strict=True):
         entries.append(LayerEntry(spec.name, spec.is_draft, offset, spec.nbytes, digest))
         offset += spec.nbytes
-    return UnitHeader(
-        key=key,
-        geometry_fingerprint=geometry_fingerprint,
-        drafter_id=drafter_id,
-        num_tokens=num_tokens,
-        layers=tuple(entries),
-        payload_checksum=payload_digest,
-        payload_nbytes=offset,
-        successor_tokens=tuple(int(t) for t in successor_tokens),
-    )
+    return UnitHeader.of(identity, entries, payload_digest, offset)
 
 
 def _header_to_json(header: UnitHeader) -> bytes:
@@ -287,45 +302,14 @@ class UnitFrame:
         return self.header_nbytes + self.payload_nbytes
 
 
-def unit_frame(
-    *,
-    key: str,
-    geometry_fingerprint: str,
-    drafter_id: str,
-    num_tokens: int,
-    layers: Sequence[LayerSpec],
-    successor_tokens: Sequence[int] = (),
-) -> UnitFrame:
-    entries = []
-    offset = 0
-    for spec in layers:
-        entries.append(
-            LayerEntry(spec.name, spec.is_draft, offset, spec.nbytes, _PLACEHOLDER_DIGEST)
-        )
-        offset += spec.nbytes
-    template = UnitHeader(
-        key=key,
-        geometry_fingerprint=geometry_fingerprint,
-        drafter_id=drafter_id,
-        num_tokens=num_tokens,
-        layers=tuple(entries),
-        payload_checksum=_PLACEHOLDER_DIGEST,
-        payload_nbytes=offset,
-        successor_tokens=tuple(int(t) for t in successor_tokens),
-    )
-    return UnitFrame(len(_framed_header(template)), offset)
+def unit_frame(identity: UnitIdentity, layers: Sequence[LayerSpec]) -> UnitFrame:
+    digests = [_PLACEHOLDER_DIGEST] * len(layers)
+    template = header_with_digests(identity, layers, digests, _PLACEHOLDER_DIGEST)
+    return UnitFrame(len(_framed_header(template)), template.payload_nbytes)
 
 
 def encode_unit_into(
-    out: memoryview,
-    frame: UnitFrame,
-    *,
-    key: str,
-    geometry_fingerprint: str,
-    drafter_id: str,
-    num_tokens: int,
-    layers: Sequence[LayerSpec],
-    successor_tokens: Sequence[int] = (),
+    out: memoryview, frame: UnitFrame, identity: UnitIdentity, layers: Sequence[LayerSpec]
 ) -> UnitHeader:
     """Finish a unit whose payload the caller already wrote at ``out[frame.header_nbytes:]``.
 
@@ -335,15 +319,7 @@ def encode_unit_into(
     out = out.cast("B") if out.format != "B" else out
     if out.nbytes != frame.nbytes:
         raise ValueError(f"buffer has {out.nbytes} bytes, the unit needs {frame.nbytes}")
-    header = make_header(
-        key=key,
-        geometry_fingerprint=geometry_fingerprint,
-        drafter_id=drafter_id,
-        num_tokens=num_tokens,
-        layers=layers,
-        payload=out[frame.header_nbytes :],
-        successor_tokens=successor_tokens,
-    )
+    header = make_header(identity, layers, out[frame.header_nbytes :])
     write_header_into(out, frame, header)
     return header
 
@@ -357,13 +333,7 @@ def write_header_into(out: memoryview, frame: UnitFrame, header: UnitHeader) -> 
 
 
 def pack_unit(
-    *,
-    key: str,
-    geometry_fingerprint: str,
-    drafter_id: str,
-    num_tokens: int,
-    layers: Sequence[tuple[str, bool, Buffer]],
-    successor_tokens: Sequence[int] = (),
+    identity: UnitIdentity, layers: Sequence[tuple[str, bool, Buffer]]
 ) -> tuple[UnitHeader, bytes]:
     """Build a unit straight from the per-layer buffers: one payload copy, one pass per hash."""
     views = [(name, is_draft, memoryview(buf).cast("B")) for name, is_draft, buf in layers]
@@ -372,15 +342,7 @@ def pack_unit(
     for _, _, v in views:
         payload[offset : offset + v.nbytes] = v
         offset += v.nbytes
-    header = make_header(
-        key=key,
-        geometry_fingerprint=geometry_fingerprint,
-        drafter_id=drafter_id,
-        num_tokens=num_tokens,
-        layers=[LayerSpec(n, d, v.nbytes) for n, d, v in views],
-        payload=payload,
-        successor_tokens=successor_tokens,
-    )
+    header = make_header(identity, [LayerSpec(n, d, v.nbytes) for n, d, v in views], payload)
     return header, encode_unit(header, payload)
 
 

@@ -25,6 +25,7 @@ from vllm_draft_offload.unit_codec import (
     LayerSpec,
     UnitFrame,
     UnitHeader,
+    UnitIdentity,
     header_with_digests,
     payload_hasher,
     write_header_into,
@@ -39,13 +40,9 @@ def copy_unit_into(
     out: memoryview,
     frame: UnitFrame,
     source: memoryview,
-    *,
-    key: str,
-    geometry_fingerprint: str,
-    drafter_id: str,
-    num_tokens: int,
+    identity: UnitIdentity,
     layers: Sequence[LayerSpec],
-    successor_tokens: Sequence[int] = (),
+    *,
     on_copied: Callable[[], None] | None = None,
     piece_bytes: int = PIECE_BYTES,
 ) -> UnitHeader:
@@ -80,15 +77,7 @@ def copy_unit_into(
             layer += 1
     if on_copied is not None:
         on_copied()
-    header = header_with_digests(
-        key=key,
-        geometry_fingerprint=geometry_fingerprint,
-        drafter_id=drafter_id,
-        num_tokens=num_tokens,
-        layers=layers,
-        layer_digests=[h.hexdigest() for h in layer_hashers],
-        payload_digest=whole.hexdigest(),
-        successor_tokens=successor_tokens,
-    )
+    digests = [h.hexdigest() for h in layer_hashers]
+    header = header_with_digests(identity, layers, digests, whole.hexdigest())
     write_header_into(out, frame, header)
     return header

@@ -48,7 +48,7 @@ from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.run_pool import RunPool
-from vllm_draft_offload.unit_codec import LayerSpec, encode_unit, make_header
+from vllm_draft_offload.unit_codec import LayerSpec, UnitIdentity, encode_unit, make_header
 from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
 
@@ -61,13 +61,15 @@ def write_units(store: L3Store, units: int, unit_bytes: int) -> ExpectedUnit:
     payload = np.random.default_rng(0).integers(0, 255, per_layer * NUM_LAYERS, dtype=np.uint8)
     key = "ab" * 16
     header = make_header(
-        key=key,
-        geometry_fingerprint="l3-fetch-speed",
-        drafter_id="l3-fetch-speed",
-        num_tokens=256,
-        layers=layers,
-        payload=payload,
-        successor_tokens=(),
+        UnitIdentity(
+            key=key,
+            geometry_fingerprint="l3-fetch-speed",
+            drafter_id="l3-fetch-speed",
+            num_tokens=256,
+            successor_tokens=(),
+        ),
+        layers,
+        payload,
     )
     blob = encode_unit(header, payload)
     for i in range(units):
