@@ -375,6 +375,7 @@ SOAK_SUMMARY_KEYS = {
     "acceptance",
     "hits",
     "causes",
+    "l3_thread_seconds",
     "faults_injected",
     "memory",
     "ttft",
@@ -436,6 +437,9 @@ def _soak(fx: Path, out: Path, backend: str, baseline_s: str) -> dict[str, Any]:
     assert s["hits"]["hit_tokens_method"] == "by_source"
     assert sum(s["hits"]["hit_tokens"].values()) == s["hits"]["external_hit_tokens"]
     assert s["ttft"]["ours"]["n"] == s["requests"]["total"] and s["ttft"]["ours"]["p99_s"] > 0
+    # the storage threads' clocks were sampled: they wrote (own CPU time within wall time)
+    clocks = s["l3_thread_seconds"]
+    assert 0 < clocks["write/cpu"] <= clocks["write/wall"] * 1.05, clocks
     assert (out / "soak.png").read_bytes()[:8] == PNG_MAGIC
     assert "| crashes | 0 |" in (out / "soak.md").read_text()
     return data
@@ -448,6 +452,12 @@ def test_soak_cpu_fs(tiny_fixtures: Path, tmp_path: Path) -> None:
     assert data["l3_url"].startswith("fs://")
     base = s["ttft"]["baseline"]
     assert base is not None and base["n"] > 0 and s["ttft"]["baseline_seconds"] == 3
+    # both engines' first 3 s side by side: what each finished and computed
+    first = s["ttft"]["throughput_first_window"]
+    assert first["baseline"]["requests"] > 0 and first["baseline"]["output_tokens_per_s"] > 0
+    assert first["ours"]["requests"] == sum(
+        q["end_t"] <= 3 for q in data["runs"]["ours"]["requests"]
+    )
     # corrupted objects are refused (checksums), never served
     assert s["causes"]["refusals"] or s["causes"]["fallbacks"]
 
@@ -547,6 +557,23 @@ def test_soak_replay_judges_each_flip_by_the_reference_margin(tmp_path: Path) ->
     s = _soak_report(tmp_path / "d", confident)
     assert s["verdict"] == "fail" and not s["replay"]["margins_known"]
     assert "2/" in " ".join(s["failed"])
+
+
+def test_soak_throughput_counts_what_finished_in_the_window() -> None:
+    reqs = [
+        {"end_t": 1.0, "out_len": 10, "prompt_len": 100, "cached": 64},
+        {"end_t": 2.0, "out_len": 30, "prompt_len": 50, "cached": 0},
+        {"end_t": 2.5, "out_len": 99, "prompt_len": 999, "cached": 0},  # after the window
+    ]
+    assert sr.throughput(reqs, 2.0) == {
+        "requests": 2, "output_tokens_per_s": 20.0, "computed_prompt_tokens": 86,
+    }  # fmt: skip
+    counters = {
+        "vllm:draft_offload_l3_thread_seconds_total{clock=cpu,op=read}": 1.5,
+        "vllm:draft_offload_l3_thread_seconds_total{clock=wall,op=read}": 2.0,
+        "vllm:draft_offload_loaded_chunks_total{tier=l3}": 7.0,
+    }
+    assert sr.thread_seconds(counters) == {"read/cpu": 1.5, "read/wall": 2.0}
 
 
 def test_top_margins_from_vllm_logprobs() -> None:

@@ -66,6 +66,11 @@ def connector_acceptance(counters: dict[str, float]) -> dict[str, float | None]:
     return {"al_restored": restored, "al_fresh": fresh, "ratio": _ratio(restored, fresh)}
 
 
+_THREAD_SECONDS = re.compile(
+    r"vllm:draft_offload_l3_thread_seconds_total\{clock=(?P<clock>\w+),op=(?P<op>\w+)\}"
+)
+
+
 def causes(counters: dict[str, float]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {"fallbacks": {}, "refusals": {}}
     for key, value in counters.items():
@@ -355,6 +360,30 @@ def _ttft(reqs: list[dict[str, Any]], until: float | None = None) -> dict[str, A
     return {"n": len(t), "p50_s": percentile(t, 50), "p99_s": percentile(t, 99)}
 
 
+def throughput(reqs: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
+    """What an engine finished in its first ``window_s``: requests, output tokens a
+    second, and the prompt tokens it computed (not served by a cache). Under a saturating
+    load TTFT is mostly queueing, so this tells a slower engine from slower restores."""
+    done = [q for q in reqs if q.get("end_t", float("inf")) <= window_s]
+    out = sum(int(q.get("out_len") or 0) for q in done)
+    computed = sum(int(q.get("prompt_len") or 0) - int(q.get("cached") or 0) for q in done)
+    return {
+        "requests": len(done),
+        "output_tokens_per_s": out / window_s if window_s else None,
+        "computed_prompt_tokens": computed,
+    }
+
+
+def thread_seconds(counters: dict[str, float]) -> dict[str, float]:
+    """The storage threads' ``{op}/{clock}`` seconds (``l3_thread_seconds``) in counters."""
+    out: dict[str, float] = {}
+    for key, value in counters.items():
+        m = _THREAD_SECONDS.match(key)
+        if m:
+            out[f"{m.group('op')}/{m.group('clock')}"] = value
+    return out
+
+
 def hit_rate_series(samples: list[dict[str, Any]], window_s: float = 5.0) -> list[dict[str, Any]]:
     """Per window: chunk hit rate per tier, and token hit rates of vLLM's two caches."""
     out: list[dict[str, Any]] = []
@@ -482,6 +511,14 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
     win = base.get("seconds") if base else None
     ttft = {
         "ours": _ttft(ours.get("requests") or []),
+        # over the baseline's window: requests finished, output tokens a second, prompt
+        # tokens computed (a TTFT gap from a slower engine, or from restores)
+        "throughput_first_window": {
+            "ours": throughput(ours.get("requests") or [], win),
+            "baseline": throughput(base.get("requests") or [], win),
+        }
+        if win and base and base.get("status") == "ok"
+        else None,
         "ours_first_window": _ttft(ours.get("requests") or [], win) if win else None,
         "baseline": _ttft(base.get("requests") or [])
         if base and base.get("status") == "ok"
@@ -495,6 +532,8 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
         "acceptance": connector_acceptance(delta),
         "hits": tier_tokens(delta, int(data["chunk_size"])),
         "causes": causes(delta),
+        # seconds the storage threads spent per op, by wall clock and their own CPU clock
+        "l3_thread_seconds": thread_seconds(delta),
         "faults_injected": faults,
         "memory": memory,
         "ttft": ttft,
@@ -537,6 +576,18 @@ def _rss_span(span: Any, m: Any) -> str:
     if start == end == 0:
         return "in the driver's process"  # the engine ran in-process (CPU dry run)
     return f"{m(start)} → {m(end)}"
+
+
+def _throughput_cell(tp: dict[str, Any] | None) -> str:
+    if not tp:
+        return "n/a"
+    ours, base = tp["ours"], tp["baseline"]
+    return (
+        f"{ours['requests']} vs {base['requests']}; "
+        f"{_f(ours['output_tokens_per_s'], '{:.0f}')} vs "
+        f"{_f(base['output_tokens_per_s'], '{:.0f}')}; "
+        f"{ours['computed_prompt_tokens']:,} vs {base['computed_prompt_tokens']:,}"
+    )
 
 
 def soak_markdown(data: dict[str, Any]) -> str:
@@ -595,6 +646,21 @@ def soak_markdown(data: dict[str, Any]) -> str:
             or "none",
         ),
         ("TTFT p50 / p99, ours (whole run)", p(t["ours"])),
+        (
+            f"first {t['baseline_seconds']} s, ours vs no connector: requests finished; "
+            "output tokens/s; prompt tokens computed",
+            _throughput_cell(t.get("throughput_first_window")),
+        ),
+        (
+            "storage threads' seconds (wall / own CPU), read; write",
+            "; ".join(
+                f"{_f(s['l3_thread_seconds'].get(f'{op}/wall'))} / "
+                f"{_f(s['l3_thread_seconds'].get(f'{op}/cpu'))}"
+                for op in ("read", "write")
+            )
+            if s.get("l3_thread_seconds")
+            else "not recorded",
+        ),
         (
             f"TTFT p50 / p99, ours first {t['baseline_seconds']} s vs no connector",
             f"{p(t['ours_first_window'])} vs {p(t['baseline'])}",

@@ -40,6 +40,7 @@ SAMPLED = (
     "vllm:external_prefix_cache_",
     "vllm:spec_decode_num_",
     "vllm:prompt_tokens_cached_by_source",
+    "vllm:draft_offload_l3_thread_seconds",
 )
 # Samples (one a second) between counts of the connector's containers (stress/state.py).
 STATE_EVERY = 10
