@@ -48,15 +48,49 @@ def test_engine_time_of_a_step_leaves_out_the_memmove() -> None:
     }
     assert hc.engine_us(step) == pytest.approx(100 + 50 + 400 + 10 - 300)
     assert hc.hooks_us(step) == pytest.approx(30 + 400 + 10 - 300)
+
+    def run(decode: float, hooks: float, every: float) -> dict[str, float]:
+        return {
+            "engine_ms_over_decode": decode, "hooks_ms_over_decode": hooks,
+            "engine_ms_all_steps": every, "hooks_ms_all_steps": 2 * hooks, "decode_steps": 10,
+        }  # fmt: skip
+
     configs = {
-        "none": [{"engine_ms_over_decode": 5.0, "hooks_ms_over_decode": 0, "decode_steps": 10}],
-        "idle": [
-            {"engine_ms_over_decode": 6.0, "hooks_ms_over_decode": 0.3},
-            {"engine_ms_over_decode": 5.5, "hooks_ms_over_decode": 0.4},
-        ],
-        "store": [{"engine_ms_over_decode": 9.0, "hooks_ms_over_decode": 2.0}],
+        "none": [run(5.0, 0, 8.0)],
+        "idle": [run(6.0, 0.3, 9.0), run(5.5, 0.4, 9.5)],
+        "store": [run(9.0, 2.0, 20.0)],
     }
     summary = hc.compare(configs)
     assert summary["hooks_ms_over_decode"] == {"idle": 0.3, "store": 2.0}
     assert summary["added_ms_over_decode"] == {"idle": 0.5, "store": 4.0}  # fastest batch
     assert summary["added_us_per_decode_step"] == {"idle": 50.0, "store": 400.0}
+    assert summary["hooks_ms_all_steps"] == {"idle": 0.6, "store": 4.0}
+    assert summary["added_ms_all_steps"] == {"idle": 1.0, "store": 12.0}
+
+
+def test_shared_prefixes_in_a_small_cache_restore_from_the_cpu_tier(tmp_path: Path) -> None:
+    """--shared-prefixes with --gpu-blocks: about one request at a time fits and two
+    prefixes alternate, so later requests find their prefix (partly) evicted from the
+    KV cache and load it from the CPU tier; every step counts in *_all_steps."""
+    out = tmp_path / "hook_cost.json"
+    # 4 requests of 128 tokens (64 shared: 2 chunks of 32; the last 64 their own) and
+    # 16 decode tokens, in a cache of 14 blocks of 16
+    hc.main(
+        ["--out", str(out), "--shape", "tiny", "--batch", "4", "--prompt-tokens", "128",
+         "--decode-tokens", "16", "--chunk-size", "32", "--cpu-gib", "0.01", "--reps", "1",
+         "--shared-prefixes", "2", "--gpu-blocks", "14"]
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    none, idle, store = (report["configs"][c][0] for c in ("none", "idle", "store"))
+    assert none["loaded_chunks"] == idle["loaded_chunks"] == 0
+    # requests 3 and 4 could load both chunks of their prefix at most
+    assert 0 < store["loaded_chunks"] <= 2 * 2
+    assert store["steps"] > store["decode_steps"]  # the prefill steps count too
+    assert store["hooks_ms_all_steps"] > store["hooks_ms_over_decode"] > 0
+    assert set(report["summary"]["added_ms_all_steps"]) == {"idle", "store"}
+
+
+def test_too_few_gpu_blocks_is_refused_naming_the_option(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        hc.main(["--out", str(tmp_path / "x.json"), "--shape", "tiny", "--prompt-tokens", "128",
+                 "--decode-tokens", "16", "--gpu-blocks", "3"])  # fmt: skip

@@ -14,6 +14,12 @@ mean microseconds per decode step of the scheduler (``schedule`` +
 ``update_from_output``) and of each connector hook, on steps with and without stores,
 in CPU time of the engine's thread (other work on the machine does not count).
 
+``--shared-prefixes K --gpu-blocks N`` make it a load with hits instead: the prompts
+share K prefixes (all but their last 64 tokens) and the KV cache holds N blocks, so
+requests wait, evict each other's prefixes and restore them from the CPU tier (what the
+soak's 64 streams do). Every step then counts (``*_all_steps``), prefills and restores
+included, with the chunks each step loaded.
+
 The worker's copies run on the CPU here (memmove, ``copy_path=memcpy``): on a GPU they
 are enqueued instead, so ``copy_exec`` (the memmove) is reported apart and left out of
 the hooks' figures; planning the copies (descriptors, merging) is in them, as on a GPU.
@@ -48,6 +54,8 @@ EXAMPLES = """examples:
   vllm-draft-offload hook-cost --out /tmp/hook_cost.json
   vllm-draft-offload hook-cost --batch 4 --decode-tokens 128 --profile /tmp/hooks.prof \\
       --out /tmp/hook_cost.json
+  vllm-draft-offload hook-cost --batch 64 --prompt-tokens 4096 --decode-tokens 32 \\
+      --shared-prefixes 8 --gpu-blocks 1200 --cpu-gib 4 --out /tmp/hook_cost_hits.json
 """
 CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -82,7 +90,13 @@ WORKER_HOOKS = (
 cpu_time = time.thread_time
 
 # What a step was (Engine.step), beside the seconds timed in it.
-TAGS = ("tokens", "store_jobs", "stored_chunks", "decode")
+TAGS = ("tokens", "store_jobs", "stored_chunks", "loaded_chunks", "decode")
+OWN_TOKENS = 64  # a prompt's own tokens after a shared prefix (--shared-prefixes)
+
+
+def max_request_len(args: argparse.Namespace) -> int:
+    """A request's tokens at most: its prompt, its decode and the drafts' room."""
+    return args.prompt_tokens + args.decode_tokens + 64
 
 
 class Clock:
@@ -162,7 +176,7 @@ class Engine:
 
         load_general_plugins()
         target_shape, draft_shape = SHAPES[args.shape]
-        max_len = args.prompt_tokens + args.decode_tokens + 64
+        max_len = max_request_len(args)
         target = write_config(work / "target", target_shape, max_len)
         draft = write_config(work / "draft", draft_shape, max_len)
         model_config = ModelConfig(
@@ -217,6 +231,8 @@ class Engine:
         groups = get_kv_cache_groups(self.vllm_config, specs)
         blocks_per_req = -(-max_len // BLOCK_SIZE)
         num_blocks = args.batch * blocks_per_req + 1
+        if args.gpu_blocks is not None:
+            num_blocks = args.gpu_blocks  # main() checked that one request fits
         page = sum(specs[name].page_size_bytes for g in groups for name in g.layer_names)
         kv_cache_config = get_kv_cache_config_from_groups(
             self.vllm_config, groups, page * num_blocks
@@ -266,12 +282,19 @@ class Engine:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
+        def tokens(seed: int, n: int) -> list[int]:
+            return [(seed * 7919 + j * 131) % (VOCAB - 1000) + 500 for j in range(n)]
+
+        shared = args.shared_prefixes
+        prefixes = [tokens(-1 - k, args.prompt_tokens - OWN_TOKENS) for k in range(shared)]
         for i in range(args.batch):
             params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
             params.update_from_generation_config({}, 2)
-            prompt = [
-                (i * 7919 + j * 131) % (VOCAB - 1000) + 500 for j in range(args.prompt_tokens)
-            ]
+            if shared:
+                # the own tokens from another sequence: a prefix's requests differ there
+                prompt = prefixes[i % shared] + tokens(i + 1000, OWN_TOKENS)
+            else:
+                prompt = tokens(i, args.prompt_tokens)
             request = Request(
                 request_id=f"r{i}",
                 prompt_token_ids=prompt,
@@ -335,12 +358,14 @@ class Engine:
         if spec_tokens and live:
             drafts = [[600 + k for k in range(spec_tokens)] for _ in live]
             self.scheduler.update_draft_token_ids(DraftTokenIds(live, drafts))
-        stores = out.kv_connector_metadata.stores if self.worker is not None else []
+        meta = out.kv_connector_metadata if self.worker is not None else None
+        stores, loads = (meta.stores, meta.loads) if meta is not None else ([], [])
         layout = self.worker.worker.layout if self.worker is not None else None
         clock.end_step(
             tokens=float(out.total_num_scheduled_tokens),
             store_jobs=float(len(stores)),
             stored_chunks=float(sum(len(job_slots(layout, job)) for job in stores)),
+            loaded_chunks=float(sum(len(job_slots(layout, job)) for job in loads)),
             decode=float(all(n <= 1 + spec_tokens for n in out.num_scheduled_tokens.values())),
         )
 
@@ -391,6 +416,11 @@ def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
         "engine_ms_over_decode": round(sum(map(engine_us, decode)) / 1e3, 2),
         "hooks_us_per_decode_step": round(statistics.fmean(map(hooks_us, decode)), 1),
         "hooks_ms_over_decode": round(sum(map(hooks_us, decode)) / 1e3, 2),
+        # every step, prefills and restores too (the load of --shared-prefixes)
+        "steps": len(steps),
+        "loaded_chunks": int(sum(s.get("loaded_chunks", 0) for s in steps)),
+        "engine_ms_all_steps": round(sum(map(engine_us, steps)) / 1e3, 2),
+        "hooks_ms_all_steps": round(sum(map(hooks_us, steps)) / 1e3, 2),
     }
 
 
@@ -399,16 +429,20 @@ def compare(configs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     and storing: its hooks alone, and the engine's total over ``none``'s (which also
     counts vLLM's own connector plumbing, and more noise). The fastest batch of each
     config: the least disturbed by other work on the machine."""
-    best = {c: min(r["engine_ms_over_decode"] for r in runs) for c, runs in configs.items()}
     steps = configs["none"][0]["decode_steps"]
-    added = {c: round(ms - best["none"], 2) for c, ms in best.items() if c != "none"}
-    hooks = {c: min(r["hooks_ms_over_decode"] for r in runs) for c, runs in configs.items()}
-    return {
-        "hooks_ms_over_decode": {c: ms for c, ms in hooks.items() if c != "none"},
-        "engine_ms_over_decode": best,
-        "added_ms_over_decode": added,
-        "added_us_per_decode_step": {c: round(1e3 * ms / steps, 1) for c, ms in added.items()},
+    out: dict[str, Any] = {}
+    for span in ("over_decode", "all_steps"):
+        best = {c: min(r[f"engine_ms_{span}"] for r in runs) for c, runs in configs.items()}
+        hooks = {c: min(r[f"hooks_ms_{span}"] for r in runs) for c, runs in configs.items()}
+        out[f"hooks_ms_{span}"] = {c: ms for c, ms in hooks.items() if c != "none"}
+        out[f"engine_ms_{span}"] = best
+        out[f"added_ms_{span}"] = {c: round(ms - best["none"], 2) for c, ms in best.items()
+                                   if c != "none"}  # fmt: skip
+    out["added_us_per_decode_step"] = {
+        c: round(1e3 * ms / steps, 1) if steps else None
+        for c, ms in out["added_ms_over_decode"].items()
     }
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +458,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--spec-tokens", type=int, default=3, help="drafts per step")
     parser.add_argument("--cpu-gib", type=float, default=2.0, help="the CPU tier")
+    parser.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=0,
+        help=f"prompts share this many prefixes (all but their last {OWN_TOKENS} tokens); "
+        "0: every prompt its own",
+    )
+    parser.add_argument(
+        "--gpu-blocks", type=int, help="KV-cache blocks (default: the whole batch fits)"
+    )
     parser.add_argument("--reps", type=int, default=3, help="batches per config, alternating")
     parser.add_argument(
         "--profile", help="a directory: cProfile stats of each config's first batch there"
@@ -437,6 +481,13 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("batch", "prompt_tokens", "decode_tokens", "chunk_size", "reps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: at least 1")
+    need = -(-max_request_len(args) // BLOCK_SIZE) + 1
+    if args.gpu_blocks is not None and args.gpu_blocks < need:
+        parser.error(f"--gpu-blocks: at least {need} (one request, and vLLM's null block)")
+    if args.shared_prefixes < 0:
+        parser.error("--shared-prefixes: at least 0")
+    if args.shared_prefixes and args.prompt_tokens <= OWN_TOKENS:
+        parser.error(f"--prompt-tokens: more than {OWN_TOKENS} with --shared-prefixes")
     # vLLM's CPU platform, in this process. No kernel runs (the scheduler and the
     # connector's memmoves only), so vLLM's CPU kernel library is not needed.
     for key, value in CPU_ENV.items():
