@@ -561,13 +561,15 @@ def test_soak_replay_judges_each_flip_by_the_reference_margin(tmp_path: Path) ->
 
 def test_soak_throughput_counts_what_finished_in_the_window() -> None:
     reqs = [
-        {"end_t": 1.0, "out_len": 10, "prompt_len": 100, "cached": 64},
-        {"end_t": 2.0, "out_len": 30, "prompt_len": 50, "cached": 0},
+        {"end_t": 1.0, "out_len": 10, "prompt_len": 100, "cached": 64,
+         "first_ts": 5.0, "last_ts": 5.9},  # 9 tokens after the first in 0.9 s
+        {"end_t": 2.0, "out_len": 30, "prompt_len": 50, "cached": 0,
+         "first_ts": 7.0, "last_ts": 7.87},  # 29 in 0.87 s
         {"end_t": 2.5, "out_len": 99, "prompt_len": 999, "cached": 0},  # after the window
-    ]
-    assert sr.throughput(reqs, 2.0) == {
-        "requests": 2, "output_tokens_per_s": 20.0, "computed_prompt_tokens": 86,
-    }  # fmt: skip
+    ]  # fmt: skip
+    got = sr.throughput(reqs, 2.0)
+    assert got.pop("decode_s_per_token_mean") == pytest.approx((0.1 + 0.03) / 2)
+    assert got == {"requests": 2, "output_tokens_per_s": 20.0, "computed_prompt_tokens": 86}
     counters = {
         "vllm:draft_offload_l3_thread_seconds_total{clock=cpu,op=read}": 1.5,
         "vllm:draft_offload_l3_thread_seconds_total{clock=wall,op=read}": 2.0,

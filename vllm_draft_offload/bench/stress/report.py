@@ -367,10 +367,17 @@ def throughput(reqs: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
     done = [q for q in reqs if q.get("end_t", float("inf")) <= window_s]
     out = sum(int(q.get("out_len") or 0) for q in done)
     computed = sum(int(q.get("prompt_len") or 0) - int(q.get("cached") or 0) for q in done)
+    # the engine's own timestamps: first to last token, over the tokens after the first
+    per_token = [
+        (q["last_ts"] - q["first_ts"]) / (q["out_len"] - 1)
+        for q in done
+        if "last_ts" in q and "first_ts" in q and int(q.get("out_len") or 0) > 1
+    ]
     return {
         "requests": len(done),
         "output_tokens_per_s": out / window_s if window_s else None,
         "computed_prompt_tokens": computed,
+        "decode_s_per_token_mean": sum(per_token) / len(per_token) if per_token else None,
     }
 
 
@@ -586,8 +593,14 @@ def _throughput_cell(tp: dict[str, Any] | None) -> str:
         f"{ours['requests']} vs {base['requests']}; "
         f"{_f(ours['output_tokens_per_s'], '{:.0f}')} vs "
         f"{_f(base['output_tokens_per_s'], '{:.0f}')}; "
-        f"{ours['computed_prompt_tokens']:,} vs {base['computed_prompt_tokens']:,}"
+        f"{ours['computed_prompt_tokens']:,} vs {base['computed_prompt_tokens']:,}; "
+        f"{_f(_ms(ours.get('decode_s_per_token_mean')), '{:.2f}')} vs "
+        f"{_f(_ms(base.get('decode_s_per_token_mean')), '{:.2f}')} ms"
     )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 def soak_markdown(data: dict[str, Any]) -> str:
@@ -648,7 +661,7 @@ def soak_markdown(data: dict[str, Any]) -> str:
         ("TTFT p50 / p99, ours (whole run)", p(t["ours"])),
         (
             f"first {t['baseline_seconds']} s, ours vs no connector: requests finished; "
-            "output tokens/s; prompt tokens computed",
+            "output tokens/s; prompt tokens computed; decode per output token (mean)",
             _throughput_cell(t.get("throughput_first_window")),
         ),
         (
