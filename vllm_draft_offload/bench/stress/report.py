@@ -556,7 +556,6 @@ def replay_summary(
     """Ours' replayed sample against the no-connector reference (and the reference's
     reversed-order control): mismatches, and each flip with the reference's margin where
     the replay recorded margins (runs before that: ``margins_known`` False)."""
-    outs = [x["output"] for x in sample]
     margins = rep.get("reference_margins")
     reference = [
         {"output": out, "margins": margins[i] if margins else None}
@@ -566,14 +565,16 @@ def replay_summary(
         {"seq": x.get("seq"), "output": out} for x, out in zip(sample, rep["control"], strict=True)
     ]
     ours_flips = flips(sample, reference, near_tie)
+    control_flips = flips(control, reference, near_tie)
     return {
-        "n": len(outs),
-        "mismatches": _mismatches(outs, rep["reference"]),
-        "control_mismatches": _mismatches(rep["control"], rep["reference"]),
+        "n": len(sample),
+        # a flip is an answer that differs from the reference's, wherever it first does
+        "mismatches": len(ours_flips),
+        "control_mismatches": len(control_flips),
         "margins_known": bool(margins),
         "near_tie_nats": near_tie,
         "flips": ours_flips,
-        "control_flips": flips(control, reference, near_tie),
+        "control_flips": control_flips,
         "confident_flips": sum(not f["near_tie"] for f in ours_flips),
     }
 
