@@ -99,6 +99,10 @@ def max_request_len(args: argparse.Namespace) -> int:
     return args.prompt_tokens + args.decode_tokens + 64
 
 
+def blocks_per_request(args: argparse.Namespace) -> int:
+    return -(-max_request_len(args) // BLOCK_SIZE)
+
+
 class Clock:
     """Seconds spent per name in the current step, then per step; ``timer`` is the
     engine thread's CPU time, or wall time where waiting counts (a GPU)."""
@@ -229,8 +233,7 @@ class Engine:
             for i in range(draft_shape["num_hidden_layers"])
         }
         groups = get_kv_cache_groups(self.vllm_config, specs)
-        blocks_per_req = -(-max_len // BLOCK_SIZE)
-        num_blocks = args.batch * blocks_per_req + 1
+        num_blocks = args.batch * blocks_per_request(args) + 1
         if args.gpu_blocks is not None:
             num_blocks = args.gpu_blocks  # main() checked that one request fits
         page = sum(specs[name].page_size_bytes for g in groups for name in g.layer_names)
@@ -481,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("batch", "prompt_tokens", "decode_tokens", "chunk_size", "reps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: at least 1")
-    need = -(-max_request_len(args) // BLOCK_SIZE) + 1
+    need = blocks_per_request(args) + 1
     if args.gpu_blocks is not None and args.gpu_blocks < need:
         parser.error(f"--gpu-blocks: at least {need} (one request, and vLLM's null block)")
     if args.shared_prefixes < 0:
