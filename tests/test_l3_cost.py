@@ -256,10 +256,10 @@ def test_a_fetch_slower_than_its_estimate_stops_waiting() -> None:
     wait, allowance = model.may_wait("fetch", recompute, 0.0, **args)
     assert wait
     # ...but 3 units in as long as the whole recompute is a pace that never pays.
-    wait, _ = model.may_wait("fetch", recompute, 0.0, fetch_s=recompute, fetched=3, **args)
+    wait, _ = model.may_wait("fetch", recompute, 0.0, landing_s=recompute, fetched=3, **args)
     assert not wait
     # A fetch on pace keeps waiting.
-    wait, _ = model.may_wait("fetch", recompute, 0.0, fetch_s=0.001, fetched=3, **args)
+    wait, _ = model.may_wait("fetch", recompute, 0.0, landing_s=0.001, fetched=3, **args)
     assert wait
 
 
@@ -279,8 +279,8 @@ def test_without_wait_past_allowance_a_request_stops_at_its_allowance() -> None:
         assert lenient.may_wait(phase, allowance / 2, 0.0, **args) == (True, allowance)
         assert strict.may_wait(phase, allowance / 2, 0.0, **args) == (True, allowance)
         past = allowance * 1.01
-        assert lenient.may_wait(phase, past, 0.0, fetch_s=0.001, fetched=3, **args)[0]
-        assert not strict.may_wait(phase, past, 0.0, fetch_s=0.001, fetched=3, **args)[0]
+        assert lenient.may_wait(phase, past, 0.0, landing_s=0.001, fetched=3, **args)[0]
+        assert not strict.may_wait(phase, past, 0.0, landing_s=0.001, fetched=3, **args)[0]
 
 
 def _model(unit_s: float) -> CostModel:
@@ -687,3 +687,31 @@ def test_first_hit_on_slow_storage_waits_only_a_bounded_time(
     assert eng.scheduler.connector.scheduler.l3.cost.storage.samples == 2
     eng.worker.worker.l3.flush(10)
     eng.worker.shutdown()
+
+
+def test_a_fetch_is_paced_from_its_first_landing_counting_any_order() -> None:
+    """H100, session 13, warm restarts: 64 units of 37.7 MB on 8 read threads, about
+    0.2 s against 0.44 s of recompute. Priced from the leading units landed since the
+    fetch began, one request gave storage up with 5 of 64 in after 46 ms (the rest
+    "needed" 0.54 s) and another with 1 of 64 in after 29 ms (1.8 s). Reads sent
+    together land together one read's time after they start, and out of order: the
+    pace counts every unit landed, from the first landing on."""
+    model = CostModel(chunk_size=256, unit_bytes=37_700_000, parallel=8)
+    for tokens in (256, 1024, 4096, 8192, 16384):
+        model.prefill.observe(tokens, 0.0, 0.002 + 2.65e-5 * tokens)
+    model.storage.observe_fetch(0.0208)
+    recompute = model.recompute_chunks_s(0, 64)
+    assert recompute == pytest.approx(0.436, rel=0.02)
+    waited = 1.2 * model.wait_allowance_s(0, 64, 1)  # past the allowance
+    args = dict(first_chunk=0, num_chunks=64, landed=1, coming=63)
+    # One unit in, just now: no pace yet; the estimate (0.18 s) pays, so it waits.
+    assert model.may_wait("fetch", waited, 0.001, landing_s=0.0, fetched=1, **args)[0]
+    # A round landed over 16 ms since the first: 56 more at that pace take 0.13 s.
+    on_pace = dict(args, landed=5, coming=59)
+    assert model.may_wait(
+        "fetch", waited, 0.001, landing_s=0.016, fetched=8, outstanding=56, **on_pace
+    )[0]
+    # Storage slower than priced: 3 units in 0.2 s since the first one never pays.
+    assert not model.may_wait(
+        "fetch", waited, 0.001, landing_s=0.2, fetched=3, outstanding=61, **args
+    )[0]

@@ -286,3 +286,37 @@ def test_cold_requests_are_all_scheduled_within_a_few_round_trips(
     assert slow.max_exists_in_flight >= 8
     assert not eng.take_published()["fallbacks"].get("l3_unavailable")
     eng.worker.shutdown()
+
+
+def test_units_landing_out_of_order_are_the_fetch_pace(tmp_path: Path) -> None:
+    """Reads on several threads land out of order. The pace that prices the rest of a
+    fetch counts every unit that landed, timed from the first landing, and any landing
+    is progress; the leading count
+    alone stood at 5 of 64 while more had landed, and a warm fetch on pace was given up
+    (H100, session 13)."""
+    prefetch = _prefetch(f"fs://{tmp_path / 'l3'}", hit_policy="cost", io_threads=4)
+    store = prefetch.lookup.store
+    assert store is not None
+    keys = [bytes([7, c]) * 16 for c in range(8)]
+    for key in keys:
+        _put_unit(store, key, 0, ())
+    for tokens in (CHUNK, 2 * CHUNK, 4 * CHUNK, 8 * CHUNK):  # the engine's prefill speed
+        prefetch.cost.prefill.observe(tokens, tokens * tokens / 2, 0.01 * tokens)
+    prefetch.cost.storage.observe_fetch(0.001)  # measured: no probe
+    no_match = PrefixMatch(0, 0, [])
+    deadline = time.monotonic() + 10
+    while (state := prefetch._requests.get("r")) is None or state.phase != "fetch":
+        assert time.monotonic() < deadline
+        assert prefetch.must_wait("r", no_match, keys, 8 * CHUNK + 1, 0)
+        time.sleep(0.005)
+    jobs = sorted(state.jobs)
+    assert len(jobs) == 8
+    before = state.progress
+    time.sleep(0.002)
+    for job in jobs[1:4]:  # chunks 1-3 land; chunk 0, the leading one, has not
+        prefetch.fetch_finished(job, [], None)
+    pace = prefetch._fetch_pace(state, time.monotonic())
+    assert pace["fetched"] == 3 and pace["outstanding"] == 5
+    assert state.progress > before and state.landed == 0
+    assert state.first_landing is not None and 0 < pace["landing_s"] < 1
+    prefetch.lookup.close()

@@ -422,8 +422,9 @@ class CostModel:
         num_chunks: int,
         landed: int,
         coming: int,
-        fetch_s: float = 0.0,
+        landing_s: float = 0.0,
         fetched: int = 0,
+        outstanding: int | None = None,
     ) -> tuple[bool, float]:
         """May a request keep waiting on storage? (yes or no, its allowance)
 
@@ -437,9 +438,13 @@ class CostModel:
         not landed; both give two engine steps more, as an answer reaches the
         scheduler only with a step.
 
-        `fetched` units landed in the `fetch_s` seconds since this fetch began: at
-        that pace the rest must also beat recomputing it (a fetch on storage that
-        the estimate overrated stops at once, not after the estimate's time)."""
+        `fetched` units of this fetch landed, in any order, the first of them
+        `landing_s` seconds ago, and `outstanding` (default `coming`) have not landed
+        yet. From the second landing on, the pace since the first (`landing_s` over
+        `fetched` - 1) must finish the outstanding ones before recomputing what has not
+        landed in order would (a fetch on storage that the estimate overrated stops at
+        once, not after the estimate's time). The time before the first landing is no
+        pace: reads sent together land together, one read's time after they start."""
         allowance = self.wait_allowance_s(first_chunk, num_chunks, landed)
         if waited_s < allowance:
             return True, allowance
@@ -449,9 +454,10 @@ class CostModel:
         if phase == "lookup":
             return waited_s < 2 * (storage.round_trip_s + self.step_s), allowance
         recompute = self.recompute_chunks_s(first_chunk + landed, coming)
-        finish_s = storage.load_s(coming)
-        if fetched:
-            finish_s = max(finish_s, coming * fetch_s / fetched)
+        left = coming if outstanding is None else outstanding
+        finish_s = storage.load_s(left)
+        if fetched >= 2:
+            finish_s = max(finish_s, left * landing_s / (fetched - 1))
         worth = recompute is not None and finish_s < recompute
         return worth and stalled_s < 2 * (storage.unit_s + self.step_s), allowance
 
