@@ -291,9 +291,8 @@ def test_cold_requests_are_all_scheduled_within_a_few_round_trips(
 def test_units_landing_out_of_order_are_the_fetch_pace(tmp_path: Path) -> None:
     """Reads on several threads land out of order. The pace that prices the rest of a
     fetch counts every unit that landed, timed from the first landing, and any landing
-    is progress; the leading count
-    alone stood at 5 of 64 while more had landed, and a warm fetch on pace was given up
-    (H100, session 13)."""
+    is progress; the leading count alone stood at 5 of 64 while more had landed, and a
+    warm fetch on pace was given up (H100, session 13)."""
     prefetch = _prefetch(f"fs://{tmp_path / 'l3'}", hit_policy="cost", io_threads=4)
     store = prefetch.lookup.store
     assert store is not None
