@@ -28,7 +28,20 @@ def test_store_config_stores_decode_and_none_has_no_connector() -> None:
     memcpy = dec.connector_config("store", 1.5, 128, copy_path="memcpy")
     assert memcpy is not None and memcpy["kv_connector_extra_config"]["copy_path"] == "memcpy"
     with pytest.raises(ValueError, match="unknown config"):
-        dec.connector_config("native", 1, 256)
+        dec.connector_config("bogus", 1, 256)
+
+
+def test_null_and_native_configs_name_their_connectors() -> None:
+    from vllm_draft_offload.bench.speed import null_connector
+
+    null = dec.connector_config("null", 1.5, 128)
+    assert null is not None and null["kv_connector"] == "NullConnector"
+    # vLLM imports the class from this module path: it must be where the config says.
+    module = __import__(null["kv_connector_module_path"], fromlist=["x"])
+    assert getattr(module, null["kv_connector"]) is null_connector.NullConnector
+    native = dec.connector_config("native", 1.5, 128)
+    assert native is not None and native["kv_connector"] == "OffloadingConnector"
+    assert native["kv_connector_extra_config"] == {"cpu_bytes_to_use": int(1.5 * 2**30)}
 
 
 def test_prompts_are_new_to_every_batch_and_the_same_in_every_engine() -> None:
@@ -102,6 +115,7 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     assert summary["decode_tok_s"] == {"none": 1000.0, "idle": 995.0, "store": 980.0}
     assert summary["store_vs_none"] == 0.98 and summary["goal_0.97_met"] is True
     assert summary["idle_vs_none"] == 0.995
+    assert summary["null_vs_none"] is None and summary["idle_vs_null"] is None  # not run
     assert summary["expected_chunks_per_batch"] == 16 * 5
     assert summary["stored_fraction"] == 79.0 / 80.0  # the worst batch
     turns = summary["turns"]
@@ -114,6 +128,20 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
         "turn2_decode_kv_reused": True, "turn2_outputs_match": True,
         "turn2_acceptance_ratio": 0.95,
     }  # fmt: skip
+
+
+def test_null_splits_idle_overhead_into_vllms_plumbing_and_ours() -> None:
+    report = _report(
+        none=[{"reps": [_rep(1000.0)]}],
+        null=[{"reps": [_rep(900.0)]}],
+        idle=[{"reps": [_rep(810.0, stored=0.0)]}],
+        native=[{"reps": [_rep(850.0)]}],
+    )
+    rep.summarize(report)
+    summary = report["summary"]
+    assert summary["null_vs_none"] == 0.9 and summary["idle_vs_null"] == 0.9
+    assert summary["idle_vs_none"] == 0.81 and summary["native_vs_none"] == 0.85
+    assert summary["store_vs_none"] is None and summary["goal_0.97_met"] is None
 
 
 def test_a_slow_store_a_prompt_only_hit_or_a_failed_engine_show() -> None:
@@ -161,7 +189,7 @@ def test_child_gets_every_setting_of_the_parent(tmp_path: Path) -> None:
     [
         (["--shape", "small,huge"], "--shape"),
         (["--shape", "small,small"], "--shape"),
-        (["--configs", "none,native"], "--configs"),
+        (["--configs", "none,bogus"], "--configs"),
         (["--reps", "0"], "--reps"),
         (["--turn-prompts", "-1"], "--turn-prompts"),
     ],

@@ -23,8 +23,13 @@ B=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["block_size"
 echo "block_size=$B"
 runs=(hit:mtp:hybrid-mtp:hit none:mtp:hybrid-mtp:none ours:mtp:hybrid-mtp:ours)
 export JOBS=1 OURS_EXTRA=",\"chunk_size\":$B"
-ACCEPT_ARGS="--block-size $B" bash "$HERE/accept_runs.sh" "$F" "$R/r0" "${runs[@]}"
+# gdn_prefill_backend triton: vLLM's default on Hopper is FlashInfer's GDN prefill,
+# which imports NVIDIA's CUTLASS DSL (`cutlass`), not in the GPU bundle (H100, session
+# 14: every engine died with "No module named 'cutlass'"); vLLM's own Triton kernel
+# computes the same state.
+GDN='"gdn_prefill_backend":"triton"'
+ACCEPT_ARGS="--block-size $B --llm-kwargs {$GDN}" bash "$HERE/accept_runs.sh" "$F" "$R/r0" "${runs[@]}"
 # ACCEPT_ARGS is word-split by accept_runs.sh: the JSON holds no spaces
-ACCEPT_ARGS="--block-size $B --llm-kwargs {\"prefix_cache_retention_interval\":null}" \
+ACCEPT_ARGS="--block-size $B --llm-kwargs {\"prefix_cache_retention_interval\":null,$GDN}" \
   bash "$HERE/accept_runs.sh" "$F" "$R/rnone" "${runs[@]}"
 echo hybrid-done

@@ -24,6 +24,12 @@
 #             prompts): recompute, native, ours (about 5 min, estimated)
 #   decode    decode-overhead at the small shape, 5 batches, then the hooks timed and
 #             the memcpy copy path (about 11 min): /root/decode_*.json
+#   decode-diag  where an idle connector's decode cost comes from: decode-overhead at the
+#             small shape, none/null/idle twice alternating, then native and store
+#             (1,024 decode tokens; H100, session 14: more than 15 min, about 90 s an
+#             engine): /root/decode_diag_small.json, decode_diag_store_small.json
+#   decode-prof  one profiled batch each of none/null/idle (torch.profiler: wall
+#             against GPU busy time): /root/decode_prof_small.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
 #   hybrid    build /root/fx-hybrid (hybrid-mtp: Qwen3-Next-shaped, Mamba state in
 #             vLLM's align mode, random MTP layer), then its acceptance runs one engine
@@ -103,6 +109,13 @@ declare -A CMD=(
       --time-hooks --out /root/decode_hooks_small.json
     vllm-draft-offload decode-overhead --shape small --configs store --copy-path memcpy \
       --turn-prompts 0 --out /root/decode_memcpy_small.json"
+  [decode-diag]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle \
+      --rounds 2 --reps 4 --decode-tokens 1024 --turn-prompts 0 --out /root/decode_diag_small.json
+    vllm-draft-offload decode-overhead --shape small --configs native,store --reps 4 \
+      --decode-tokens 1024 --turn-prompts 0 --out /root/decode_diag_store_small.json
+"
+  [decode-prof]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle --reps 1 \
+      --turn-prompts 0 --profile --out /root/decode_prof_small.json"
   [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
     --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90"
   [hybrid]="bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
@@ -123,7 +136,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|accept|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|soak|hybrid|hybrid-speed)
+fx|accept|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)

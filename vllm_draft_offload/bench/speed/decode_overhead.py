@@ -14,7 +14,17 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
   costs per step, apart from its copies);
 * ``store``: DraftOffloadConnector, CPU tier, ``store_decode`` on: every whole chunk of
   every request is stored, the prompt's while the batch decodes and the answer's as it
-  is produced; no request ever hits (every prompt is new).
+  is produced; no request ever hits (every prompt is new);
+* ``null``: a connector whose every hook returns at once (``null_connector.py``): what
+  vLLM's connector plumbing costs by itself (``null_vs_none``), so that ``idle`` over
+  ``null`` is our connector's own per-step cost;
+* ``native``: vLLM's OffloadingConnector with the same CPU budget, storing every block
+  (the side-by-side for ``store``).
+
+``--profile`` adds one batch per engine under ``torch.profiler`` (engine in the child's
+process): its wall time, the GPU's busy time (kernels and copies, summed), and the
+top operations by CPU and by GPU time, in ``profile``. A gap between two engines that
+shows in wall time and not in GPU time is host-side (launches, hooks, syncs).
 
 Each engine decodes ``--reps`` batches of ``--batch`` new prompts of
 ``--prompt-tokens`` tokens, ``--decode-tokens`` tokens each (greedy, EOS ignored), after
@@ -67,7 +77,7 @@ EXAMPLES = """examples:
   vllm-draft-offload decode-overhead --shape small --rounds 2 --reps 2 --out /tmp/d.json
 """
 MODULE = "vllm_draft_offload.bench.speed.decode_overhead"
-CONFIGS = ("none", "idle", "store")
+CONFIGS = ("none", "idle", "store", "null", "native")
 STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
 LOADED_BYTES = "vllm:draft_offload_loaded_bytes_total"
 # The parent's settings a child engine needs, passed on as they are.
@@ -102,6 +112,20 @@ def connector_config(
         return None
     if config not in CONFIGS:
         raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+    if config == "null":
+        from vllm_draft_offload.bench.speed import null_connector
+
+        return {
+            "kv_connector": null_connector.NAME,
+            "kv_connector_module_path": null_connector.MODULE,
+            "kv_role": "kv_both",
+        }
+    if config == "native":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": int(cpu_gib * 2**30)},
+        }
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": int(cpu_gib * 2**30),
         "chunk_size": chunk,
@@ -220,9 +244,52 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
         print(args.config, json.dumps(result["reps"][-1]), flush=True)
+    if args.profile:
+        result["profile"] = profile_batch(
+            lambda: generate(batch_prompts(args.reps, args.batch, args.prompt_tokens),
+                             args.decode_tokens)
+        )
+        settle()
     if args.config == "store" and args.turn_prompts > 0:
         result["turns"] = multi_turn(args, generate, settle, snapshot_metrics, metrics_delta)
     return result
+
+
+def profile_batch(run: Any, top: int = 25) -> dict[str, Any]:  # noqa: ANN401
+    """One batch under torch.profiler: wall, GPU busy time, and the top operations."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+
+    def rows(key: str) -> list[dict[str, Any]]:
+        ranked = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
+        return [
+            {
+                "name": e.key[:120],
+                "calls": e.count,
+                "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                "self_device_ms": round(getattr(e, "self_device_time_total", 0.0) / 1e3, 3),
+            }
+            for e in ranked
+        ]
+
+    return {
+        "wall_s": wall,
+        "device_busy_s": device_us / 1e6,
+        "top_cpu": rows("self_cpu_time_total"),
+        "top_device": rows("self_device_time_total"),
+    }
 
 
 class HookClock:
@@ -316,6 +383,8 @@ def child_command(
         cmd += ["--copy-path", args.copy_path]
     if args.time_hooks:
         cmd.append("--time-hooks")
+    if args.profile:
+        cmd.append("--profile")
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.dry_run_cpu:
@@ -346,7 +415,7 @@ def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]
         env = os.environ.copy()
         if args.dry_run_cpu:
             env = {**CPU_ENV, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        if args.time_hooks:
+        if args.time_hooks or args.profile:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in the child's process
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not child_out.exists():
@@ -365,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape", default="small,llama8b", help="of llama8b, small (comma-separated)"
     )
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="of none, idle, store")
+    parser.add_argument(
+        "--configs", default="none,idle,store", help=f"of {', '.join(CONFIGS)}"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="engines per config, alternating")
     parser.add_argument("--reps", type=int, default=3, help="timed batches per engine")
     parser.add_argument("--batch", type=int, default=16)
@@ -396,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="engine in the child's process, the connector's hooks timed per batch "
         "(reps[].hooks); tok/s then not comparable with runs without it",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more batch per engine under torch.profiler (engine in the child's "
+        "process): wall, GPU busy time and top operations, in configs[].profile",
     )
     parser.add_argument(
         "--dry-run-cpu",

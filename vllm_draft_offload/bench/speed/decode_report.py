@@ -36,6 +36,11 @@ def acceptance_length(counters: dict[str, float]) -> float | None:
     return 1.0 + counters.get(ACCEPTED, 0.0) / drafts if drafts > 0 else None
 
 
+def _ratio(rates: dict[str, float | None], config: str, base: str) -> float | None:
+    value, reference = rates.get(config), rates.get(base)
+    return value / reference if value and reference else None
+
+
 def summarize(report: dict[str, Any]) -> None:
     """One shape's figures from its configs' reps (medians over every round)."""
     rates: dict[str, float | None] = {}
@@ -47,12 +52,15 @@ def summarize(report: dict[str, Any]) -> None:
             if rep.get("decode_tok_s")
         ]
         rates[config] = statistics.median(values) if values else None
-    none, idle, store = rates.get("none"), rates.get("idle"), rates.get("store")
-    ratio = store / none if store and none else None
+    ratio = _ratio(rates, "store", "none")
     summary: dict[str, Any] = {
         "decode_tok_s": rates,
         "store_vs_none": ratio,
-        "idle_vs_none": idle / none if idle and none else None,
+        "idle_vs_none": _ratio(rates, "idle", "none"),
+        # vLLM's connector plumbing alone, then ours over it, then vLLM's own offloading.
+        "null_vs_none": _ratio(rates, "null", "none"),
+        "idle_vs_null": _ratio(rates, "idle", "null"),
+        "native_vs_none": _ratio(rates, "native", "none"),
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
     }
     store_reps = [rep for run in report["configs"].get("store", []) for rep in run.get("reps", [])]
