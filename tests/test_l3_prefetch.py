@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from kv_sim import prompt
 from l3_throttle import throttle
+from test_l3_cost import SESSION13_UNIT_BYTES, session13_estimates
 from test_l3_tier import CHUNK, L3_EXTRA, fill_l3, finish_l3_writes, l3_engine
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -21,6 +22,7 @@ from vllm_draft_offload.chunk_keys import ChunkKeyChain
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.cpu_index import CpuTierIndex
 from vllm_draft_offload.hit_logic import PrefixMatch
+from vllm_draft_offload.l3_decisions import L3Decision
 from vllm_draft_offload.l3_prefetch import L3Prefetch
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.l3_tier import SchedulerL3, object_key
@@ -318,4 +320,59 @@ def test_units_landing_out_of_order_are_the_fetch_pace(tmp_path: Path) -> None:
     assert pace["fetched"] == 3 and pace["outstanding"] == 5
     assert state.progress > before and state.landed == 0
     assert state.first_landing is not None and 0 < pace["landing_s"] < 1
+    prefetch.lookup.close()
+
+
+def _session13_prefetch(url: str, slots: int) -> L3Prefetch:
+    """The scheduler side of the session-13 restart: 256-token chunks, 8 read threads,
+    its calibration, own first steps and storage timing (test_l3_cost), `slots` in the
+    CPU tier."""
+    config = L3Config(
+        enabled=True,
+        timeout_s=5.0,
+        io_threads=8,
+        lmcache={"remote_url": url, "extra_config": L3_EXTRA},
+    )
+    ids = itertools.count(1)
+    prefetch = L3Prefetch(
+        SchedulerL3(config, 1),
+        CpuTierIndex(slots),
+        256,
+        config,
+        DraftOffloadStats(),
+        lambda: next(ids),
+        unit_bytes=SESSION13_UNIT_BYTES,
+    )
+    session13_estimates(prefetch.cost)
+    return prefetch
+
+
+def _until_fetching(prefetch: L3Prefetch, req_id: str, keys: list[bytes]) -> L3Decision:
+    """Drive the request's lookup until its fetch is sent (or it stopped waiting)."""
+    deadline = time.monotonic() + 10
+    while (state := prefetch._requests.get(req_id)) is None or state.phase == "lookup":
+        assert time.monotonic() < deadline
+        if not prefetch.must_wait(req_id, PrefixMatch(0, 0, []), keys, 64 * 256 + 2, 0):
+            break
+        time.sleep(0.005)
+    state = prefetch._requests[req_id]
+    return state.decision
+
+
+def test_a_warm_restart_fetches_the_whole_hit(tmp_path: Path) -> None:
+    """H100, session 13: a restarted engine's request found all 64 units of its prompt in
+    storage, with the CPU tier mostly free, and fetched 3 ("fetch 3, landed 3"). The
+    cost model priced 1-3 chunks with the engine's own fit of its warm-up (which
+    reaches 3 chunks) and 4-64 with the calibration, so 3 chunks looked the best buy."""
+    prefetch = _session13_prefetch(f"fs://{tmp_path / 'l3'}", slots=682)
+    store = prefetch.lookup.store
+    assert store is not None
+    keys = [bytes([9, c]) * 16 for c in range(64)]
+    for key in keys:
+        _put_unit(store, key, 0, ())
+    decision = _until_fetching(prefetch, "r", keys)
+    assert decision.found == 64
+    assert decision.wanted == 64, decision.line()
+    assert len(prefetch.take_fetch_jobs()) == 64
+    assert not prefetch.stats.data["l3_declined"], decision.line()
     prefetch.lookup.close()

@@ -382,7 +382,9 @@ class L3Prefetch:
             self._finish(state, "probe_failed", landed)  # refused or failed: counted there
             return
         rest = state.hits - landed
-        wanted = self.cost.chunks_worth_loading(state.first_chunk + landed, rest, False)
+        wanted = self.cost.chunks_worth_loading(
+            state.first_chunk + landed, rest, False, state.end_chunk - state.first_chunk
+        )
         self._note_estimate(state, wanted or rest)
         if wanted < rest:
             self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, rest - wanted)
