@@ -7,11 +7,13 @@ Real Scheduler and connector halves (kv_sim), real LMCache fs:// and Redis backe
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 from kv_sim import prompt
 from l3_throttle import throttle
 from test_l3_cost import SESSION13_UNIT_BYTES, session13_estimates
@@ -376,3 +378,58 @@ def test_a_warm_restart_fetches_the_whole_hit(tmp_path: Path) -> None:
     assert len(prefetch.take_fetch_jobs()) == 64
     assert not prefetch.stats.data["l3_declined"], decision.line()
     prefetch.lookup.close()
+
+
+def test_a_fetch_takes_slots_freed_while_it_runs(tmp_path: Path) -> None:
+    """Slots held by other transfers (here: stores in flight) leave a fetch short at
+    first; as they complete and become evictable, the fetch reserves the rest of its
+    chosen chunks, in order, while its reads are out, and the whole hit is taken."""
+    prefetch = _session13_prefetch(f"fs://{tmp_path / 'l3'}", slots=64)
+    store = prefetch.lookup.store
+    assert store is not None
+    keys = [bytes([10, c]) * 16 for c in range(64)]
+    for key in keys:
+        _put_unit(store, key, 0, ())
+    storing = [(bytes([11, c]) * 16, (1,)) for c in range(30)]
+    for unit_id in storing:
+        assert prefetch.index.reserve(unit_id) is not None  # another prompt's stores
+    decision = _until_fetching(prefetch, "r", keys)
+    assert decision.wanted == 34, decision.line()
+    first_jobs = prefetch.take_fetch_jobs()
+    assert [job.chunk_key for job in first_jobs] == keys[:34]
+    for unit_id in storing:
+        prefetch.index.commit(unit_id)  # stored: evictable now
+    assert prefetch.must_wait("r", PrefixMatch(0, 0, []), keys, 64 * 256 + 2, 0)
+    assert decision.wanted == 64, decision.line()
+    assert [job.chunk_key for job in prefetch.take_fetch_jobs()] == keys[34:]
+    assert prefetch.index.num_evictions == 30
+    prefetch.forget("r")
+    assert decision.no_slot == 0 and not prefetch.stats.data["l3_declined"]
+    prefetch.lookup.close()
+
+
+def test_a_tier_smaller_than_the_hit_takes_its_head_and_says_so(
+    model_dirs: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CPU tier of 5 units, a stored prompt of 8: the hit is the 5 leading units, and
+    the 3 it could not hold are counted (no_free_slot), named in the decision line and
+    warned about, as is the tier smaller than one max_model_len prompt at start."""
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(36, 8 * CHUNK + 5)
+    fill_l3(model_dirs, url, tokens)
+    with caplog.at_level(logging.WARNING, logger="vllm_draft_offload"):
+        eng = l3_engine(model_dirs, url, cpu_units=5)
+        assert "the CPU tier holds 5 units" in caplog.text
+        eng.add_request("r", tokens, max_tokens=1)
+        eng.run_prefill("r")
+        assert eng.external_hits["r"] == 5 * CHUNK
+        assert eng.mismatched_positions("r") == []
+        published = eng.take_published()
+        eng.run_until_done()
+    assert published["chunks"].get("load/l3") == 5
+    assert published["l3_declined"] == {"no_free_slot": 3}
+    decision = eng.scheduler.connector.scheduler.l3.log.recent[-1]
+    assert decision.outcome == "partial" and decision.no_slot == 3, decision.line()
+    assert "fetch 5 (no CPU-tier slot for 3 more), landed 5" in decision.line()
+    assert "does not fit the CPU tier (5 units)" in caplog.text
+    eng.worker.shutdown()
