@@ -715,3 +715,66 @@ def test_a_fetch_is_paced_from_its_first_landing_counting_any_order() -> None:
     assert not model.may_wait(
         "fetch", waited, 0.001, landing_s=0.2, fetched=3, outstanding=61, **args
     )[0]
+
+
+# H100, session 13 (lease 3), warm restart: the calibration the restarted engine read
+# (prefill steps of the engines before it: (tokens, attention, seconds)), and its own
+# first steps, a 255-token warm-up and 2-token steps of the benchmark's driver.
+SESSION13_PRIOR: list[tuple[float, float, float]] = [
+    (16384.0, 134217728.0, 1.4026), (2.0, 2.0, 0.2201), (16384.0, 134217728.0, 0.4774),
+    (16384.0, 134217728.0, 0.4975), (16384.0, 134217728.0, 0.4818),
+    (16384.0, 134217728.0, 0.5069), (2.0, 2.0, 0.0899), (2.0, 2.0, 0.0305),
+    (2.0, 2.0, 0.0294), (2.0, 2.0, 0.037), (255.0, 32512.5, 0.1747), (2.0, 2.0, 0.0561),
+    (16384.0, 134217728.0, 0.5013), (2.0, 2.0, 0.0485), (2.0, 2.0, 0.0377),
+    (2.0, 2.0, 0.0464), (16384.0, 134217728.0, 0.4659), (16384.0, 134217728.0, 0.4977),
+    (2.0, 2.0, 0.2075), (2.0, 2.0, 0.2033), (2.0, 2.0, 0.1309), (2.0, 2.0, 0.0463),
+    (16384.0, 134217728.0, 0.4684), (2.0, 2.0, 0.0606), (2.0, 2.0, 0.063),
+    (2.0, 2.0, 0.0599), (16384.0, 134217728.0, 0.4728), (16384.0, 134217728.0, 0.501),
+    (16384.0, 134217728.0, 0.4834),
+]  # fmt: skip
+SESSION13_OWN: list[tuple[float, float, float]] = [
+    (255.0, 32512.5, 0.1532), (2.0, 2.0, 0.0358), (2.0, 2.0, 0.0298), (2.0, 2.0, 0.0452),
+]  # fmt: skip
+# 8B shape: 36 layers' KV of 256 tokens; the storage as timed by the restart's first hit.
+SESSION13_UNIT_BYTES = 147456 * 256
+SESSION13_UNIT_S = 0.0175
+SESSION13_PACE_S = 0.15 / 62
+
+
+def session13_model() -> CostModel:
+    """The restarted engine's cost model when its third storage hit was decided."""
+    model = CostModel(chunk_size=256, unit_bytes=SESSION13_UNIT_BYTES, parallel=8)
+    session13_estimates(model)
+    return model
+
+
+def session13_estimates(model: CostModel) -> None:
+    assert model.prefill.set_prior(SESSION13_PRIOR)
+    for tokens, attention, seconds in SESSION13_OWN:
+        model.prefill.observe(int(tokens), attention, seconds)
+    model.storage.observe_fetch(SESSION13_UNIT_S)
+    model.storage.observe_pace(SESSION13_PACE_S)
+
+
+def test_one_decision_prices_every_chunk_count_with_one_estimate() -> None:
+    """H100, session 13: after a warm restart, two requests fetched 3 of the 64 units
+    storage held ("fetch 3, landed 3; est load 0.0175 s (unit 0.0175 s)": the load of
+    one round, not the 0.14 s of 64 units) and recomputed the rest. The CPU tier had
+    free slots (24 GiB of 37.7 MB units: 682, at most 256 in use). The engine's own
+    fit of its warm-up and 2-token steps prices up to 4 x 255 tokens, so it priced
+    counts 1-3 (3 chunks: 0.36 s), the calibration priced 4-64 (64 chunks: 0.45 s):
+    3 chunks "saved" more than 64. One decision prices every count it weighs with
+    the estimate that prices the whole range."""
+    model = session13_model()
+    assert model.prefill.source_for(768) == "fit"  # the own fit reaches 3 chunks...
+    assert model.prefill.source_for(64 * 256) == "calibration"  # ...not 64
+    assert model.chunks_worth_loading(0, 64, round_trip=False) == 64
+    # Each count of the range is priced as part of it: by the calibration.
+    whole = model.recompute_chunks_s(0, 64)
+    three = model.recompute_chunks_s(0, 3, span_chunks=64)
+    assert whole == pytest.approx(0.4527, rel=0.01)
+    assert three is not None and whole is not None and three < whole * 3 / 64 * 1.5
+    # A wait is bounded by the same estimate: what 3 landed chunks save is not the
+    # own fit's 0.36 s (which would let the request wait most of a recompute).
+    allowance = model.wait_allowance_s(0, 64, 3)
+    assert allowance < 0.05 * whole + 1.5 * three

@@ -7,13 +7,16 @@ Real Scheduler and connector halves (kv_sim), real LMCache fs:// and Redis backe
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 from kv_sim import prompt
 from l3_throttle import throttle
+from test_l3_cost import SESSION13_UNIT_BYTES, session13_estimates
 from test_l3_tier import CHUNK, L3_EXTRA, fill_l3, finish_l3_writes, l3_engine
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -21,6 +24,7 @@ from vllm_draft_offload.chunk_keys import ChunkKeyChain
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.cpu_index import CpuTierIndex
 from vllm_draft_offload.hit_logic import PrefixMatch
+from vllm_draft_offload.l3_decisions import L3Decision
 from vllm_draft_offload.l3_prefetch import L3Prefetch
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.l3_tier import SchedulerL3, object_key
@@ -319,3 +323,113 @@ def test_units_landing_out_of_order_are_the_fetch_pace(tmp_path: Path) -> None:
     assert state.progress > before and state.landed == 0
     assert state.first_landing is not None and 0 < pace["landing_s"] < 1
     prefetch.lookup.close()
+
+
+def _session13_prefetch(url: str, slots: int) -> L3Prefetch:
+    """The scheduler side of the session-13 restart: 256-token chunks, 8 read threads,
+    its calibration, own first steps and storage timing (test_l3_cost), `slots` in the
+    CPU tier."""
+    config = L3Config(
+        enabled=True,
+        timeout_s=5.0,
+        io_threads=8,
+        lmcache={"remote_url": url, "extra_config": L3_EXTRA},
+    )
+    ids = itertools.count(1)
+    prefetch = L3Prefetch(
+        SchedulerL3(config, 1),
+        CpuTierIndex(slots),
+        256,
+        config,
+        DraftOffloadStats(),
+        lambda: next(ids),
+        unit_bytes=SESSION13_UNIT_BYTES,
+    )
+    session13_estimates(prefetch.cost)
+    return prefetch
+
+
+def _until_fetching(prefetch: L3Prefetch, req_id: str, keys: list[bytes]) -> L3Decision:
+    """Drive the request's lookup until its fetch is sent (or it stopped waiting)."""
+    deadline = time.monotonic() + 10
+    while (state := prefetch._requests.get(req_id)) is None or state.phase == "lookup":
+        assert time.monotonic() < deadline
+        if not prefetch.must_wait(req_id, PrefixMatch(0, 0, []), keys, 64 * 256 + 2, 0):
+            break
+        time.sleep(0.005)
+    state = prefetch._requests[req_id]
+    return state.decision
+
+
+def test_a_warm_restart_fetches_the_whole_hit(tmp_path: Path) -> None:
+    """H100, session 13: a restarted engine's request found all 64 units of its prompt in
+    storage, with the CPU tier mostly free, and fetched 3 ("fetch 3, landed 3"). The
+    cost model priced 1-3 chunks with the engine's own fit of its warm-up (which
+    reaches 3 chunks) and 4-64 with the calibration, so 3 chunks looked the best buy."""
+    prefetch = _session13_prefetch(f"fs://{tmp_path / 'l3'}", slots=682)
+    store = prefetch.lookup.store
+    assert store is not None
+    keys = [bytes([9, c]) * 16 for c in range(64)]
+    for key in keys:
+        _put_unit(store, key, 0, ())
+    decision = _until_fetching(prefetch, "r", keys)
+    assert decision.found == 64
+    assert decision.wanted == 64, decision.line()
+    assert len(prefetch.take_fetch_jobs()) == 64
+    assert not prefetch.stats.data["l3_declined"], decision.line()
+    prefetch.lookup.close()
+
+
+def test_a_fetch_takes_slots_freed_while_it_runs(tmp_path: Path) -> None:
+    """Slots held by other transfers (here: stores in flight) leave a fetch short at
+    first; as they complete and become evictable, the fetch reserves the rest of its
+    chosen chunks, in order, while its reads are out, and the whole hit is taken."""
+    prefetch = _session13_prefetch(f"fs://{tmp_path / 'l3'}", slots=64)
+    store = prefetch.lookup.store
+    assert store is not None
+    keys = [bytes([10, c]) * 16 for c in range(64)]
+    for key in keys:
+        _put_unit(store, key, 0, ())
+    storing = [(bytes([11, c]) * 16, (1,)) for c in range(30)]
+    for unit_id in storing:
+        assert prefetch.index.reserve(unit_id) is not None  # another prompt's stores
+    decision = _until_fetching(prefetch, "r", keys)
+    assert decision.wanted == 34, decision.line()
+    first_jobs = prefetch.take_fetch_jobs()
+    assert [job.chunk_key for job in first_jobs] == keys[:34]
+    for unit_id in storing:
+        prefetch.index.commit(unit_id)  # stored: evictable now
+    assert prefetch.must_wait("r", PrefixMatch(0, 0, []), keys, 64 * 256 + 2, 0)
+    assert decision.wanted == 64, decision.line()
+    assert [job.chunk_key for job in prefetch.take_fetch_jobs()] == keys[34:]
+    assert prefetch.index.num_evictions == 30
+    prefetch.forget("r")
+    assert decision.no_slot == 0 and not prefetch.stats.data["l3_declined"]
+    prefetch.lookup.close()
+
+
+def test_a_tier_smaller_than_the_hit_takes_its_head_and_says_so(
+    model_dirs: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CPU tier of 5 units, a stored prompt of 8: the hit is the 5 leading units, and
+    the 3 it could not hold are counted (no_free_slot), named in the decision line and
+    warned about, as is the tier smaller than one max_model_len prompt at start."""
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(36, 8 * CHUNK + 5)
+    fill_l3(model_dirs, url, tokens)
+    with caplog.at_level(logging.WARNING, logger="vllm_draft_offload"):
+        eng = l3_engine(model_dirs, url, cpu_units=5)
+        assert "the CPU tier holds 5 units" in caplog.text
+        eng.add_request("r", tokens, max_tokens=1)
+        eng.run_prefill("r")
+        assert eng.external_hits["r"] == 5 * CHUNK
+        assert eng.mismatched_positions("r") == []
+        published = eng.take_published()
+        eng.run_until_done()
+    assert published["chunks"].get("load/l3") == 5
+    assert published["l3_declined"] == {"no_free_slot": 3}
+    decision = eng.scheduler.connector.scheduler.l3.log.recent[-1]
+    assert decision.outcome == "partial" and decision.no_slot == 3, decision.line()
+    assert "fetch 5 (no CPU-tier slot for 3 more), landed 5" in decision.line()
+    assert "does not fit the CPU tier (5 units)" in caplog.text
+    eng.worker.shutdown()

@@ -133,6 +133,11 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler.index.num_slots,
                 num_successors,
             )
+            _warn_if_tier_below_one_prompt(
+                self._scheduler.index.num_slots,
+                layout.chunk_size,
+                vllm_config.model_config.max_model_len,
+            )
         else:
             self._worker = DraftOffloadWorker(
                 self.config,
@@ -314,3 +319,20 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         self.scheduler.reset_cache()
         return True
+
+
+def _warn_if_tier_below_one_prompt(num_slots: int, chunk_size: int, max_model_len: int) -> None:
+    """A CPU tier that cannot hold one longest prompt's units restores no such prompt
+    whole, from itself or from storage (a fetch lands in the tier): said once, at start,
+    so a cut hit is not mistaken for a slow storage or the cost policy's choice."""
+    units = max_model_len // chunk_size
+    if num_slots < units:
+        logger.warning(
+            "DraftOffloadConnector: the CPU tier holds %d units (%d tokens), fewer than one "
+            "max_model_len prompt's %d: hits of longer prefixes are cut to the tier's depth "
+            "and the rest recomputed; cpu_bytes_to_use of %d units' bytes or more holds one",
+            num_slots,
+            num_slots * chunk_size,
+            units,
+            units,
+        )

@@ -308,15 +308,23 @@ class PrefillEstimate:
         """Where recompute estimates of short steps come from now."""
         return self.source_for(0)
 
-    def recompute_s(self, start: int, tokens: int) -> float | None:
+    def recompute_s(self, start: int, tokens: int, span: int = 0) -> float | None:
         """Seconds to compute tokens [start, start + tokens) of one request; None: unknown.
 
         Without a fit of this engine's own steps that reaches `tokens` (OWN_FIT_REACH
         times its largest step), an earlier engine's (the calibration) stands in;
         without either, the fastest per-token rate of the prefill steps seen so far:
         it ignores the attention term, so it underestimates a long prefix's recompute
-        and errs towards recomputing."""
-        own = self._own_fit_prices(tokens)
+        and errs towards recomputing.
+
+        `span`: the tokens of the whole range these are part of, when a caller weighs
+        parts of one range against each other (how many chunks to load, what landed
+        ones save). The estimate is then the one that prices the whole range, for
+        every part: two estimates disagree by a factor, and comparing parts priced by
+        different ones picks the part the dearer one prices (H100, session 13: an own
+        fit of a 255-token warm-up priced 3 chunks at 0.36 s, the calibration 64 at
+        0.45 s, and 3 of 64 units were fetched)."""
+        own = self._own_fit_prices(max(tokens, span))
         coef = self.coef if own else self.prior_coef
         if coef is None:
             rates = [rate for _, rate in prefill_rates(self._samples)]
@@ -396,9 +404,16 @@ class CostModel:
 
     # ---------------------------------------------------------------- decision
 
-    def recompute_chunks_s(self, first_chunk: int, num_chunks: int) -> float | None:
-        """Estimated seconds to recompute chunks [first_chunk, first_chunk + num_chunks)."""
-        return self.prefill.recompute_s(first_chunk * self.chunk_size, num_chunks * self.chunk_size)
+    def recompute_chunks_s(
+        self, first_chunk: int, num_chunks: int, span_chunks: int = 0
+    ) -> float | None:
+        """Estimated seconds to recompute chunks [first_chunk, first_chunk + num_chunks),
+        priced as part of a range of `span_chunks` (PrefillEstimate.recompute_s)."""
+        return self.prefill.recompute_s(
+            first_chunk * self.chunk_size,
+            num_chunks * self.chunk_size,
+            span_chunks * self.chunk_size,
+        )
 
     def wait_allowance_s(self, first_chunk: int, num_chunks: int, landed: int) -> float:
         """How long a request may have waited on storage for chunks [first_chunk,
@@ -410,7 +425,9 @@ class CostModel:
         whole = self.recompute_chunks_s(first_chunk, num_chunks)
         if not whole:
             return 0.0
-        saved = self.recompute_chunks_s(first_chunk, landed) if landed > 0 else 0.0
+        # Priced like the whole: an estimate that prices the landed chunks dearer would
+        # let the request wait longer than they save.
+        saved = self.recompute_chunks_s(first_chunk, landed, num_chunks) if landed > 0 else 0.0
         return PROBE_WAIT_FRACTION * whole + (saved or 0.0)
 
     def may_wait(
@@ -453,7 +470,7 @@ class CostModel:
             return False, allowance
         if phase == "lookup":
             return waited_s < 2 * (storage.round_trip_s + self.step_s), allowance
-        recompute = self.recompute_chunks_s(first_chunk + landed, coming)
+        recompute = self.recompute_chunks_s(first_chunk + landed, coming, num_chunks)
         left = coming if outstanding is None else outstanding
         finish_s = storage.load_s(left)
         if fetched >= 2:
@@ -461,19 +478,25 @@ class CostModel:
         worth = recompute is not None and finish_s < recompute
         return worth and stalled_s < 2 * (storage.unit_s + self.step_s), allowance
 
-    def chunks_worth_loading(self, first_chunk: int, num_chunks: int, round_trip: bool) -> int:
+    def chunks_worth_loading(
+        self, first_chunk: int, num_chunks: int, round_trip: bool, span_chunks: int = 0
+    ) -> int:
         """How many of chunks [first_chunk, first_chunk + num_chunks) to load from storage.
 
         `round_trip`: a lookup is still to be paid. Returns the count that saves the
         most time over recomputing them, 0 when none saves any or speed is unknown.
+        Every count is priced by the estimate that prices all `num_chunks` (or the
+        `span_chunks` they are the rest of): the counts are compared with each other,
+        so they must be priced alike.
         """
         if self.storage.samples == 0:
             return 0  # storage speed unknown: the prefetch probes it first
         best, best_gain = 0, 0.0
         extra = self.storage.round_trip_s if round_trip else 0.0
         start = first_chunk * self.chunk_size
+        span = max(num_chunks, span_chunks) * self.chunk_size
         for count in range(1, num_chunks + 1):
-            compute = self.prefill.recompute_s(start, count * self.chunk_size)
+            compute = self.prefill.recompute_s(start, count * self.chunk_size, span)
             if compute is None:
                 return 0
             gain = compute - self.storage.load_s(count) - extra

@@ -41,6 +41,8 @@ class L3Decision:
     outcome: str = "pending"  # fetched | partial | declined:<cause> | lookup_failed | ...
     wanted: int = 0  # chunks the policy chose to fetch (the probe included)
     landed: int = 0  # leading chunks in the CPU tier when the request stopped waiting
+    # chosen chunks that found no CPU-tier slot before the request stopped waiting
+    no_slot: int = 0
     load_s: float | None = None  # estimated load time of the wanted chunks
     unit_s: float | None = None  # storage seconds per unit fetch (estimate)
     probe: str = "none"
@@ -54,6 +56,8 @@ class L3Decision:
 
     def line(self) -> str:
         found = "not looked up" if self.found is None else f"{self.found}"
+        # A cut fetch says why, so it is not read as the cost policy's choice.
+        no_slot = f" (no CPU-tier slot for {self.no_slot} more)" if self.no_slot else ""
         rng = f"[{self.first_chunk}, {self.first_chunk + self.range_chunks})"
 
         def secs(value: float | None) -> str:
@@ -62,7 +66,7 @@ class L3Decision:
         return (
             f"L3 decision req={self.req_id} policy={self.policy}: cpu chunks {self.cpu_chunks}, "
             f"storage range {rng} found {found} -> {self.outcome}; "
-            f"fetch {self.wanted}, landed {self.landed}; est load {secs(self.load_s)} s "
+            f"fetch {self.wanted}{no_slot}, landed {self.landed}; est load {secs(self.load_s)} s "
             f"(unit {secs(self.unit_s)} s) vs recompute {secs(self.recompute_s)} s "
             f"({self.estimate_source}); probe {self.probe}; "
             f"waited {self.waited_s:.4f} s of {secs(self.allowance_s)} s "

@@ -54,6 +54,9 @@ SLOWER_THAN_RECOMPUTE = "slower_than_recompute"
 NOT_LOOKED_UP = "not_looked_up"
 SPEED_UNKNOWN = "speed_unknown"
 FETCH_TOO_SLOW = "fetch_too_slow"
+# Chosen chunks that found no CPU-tier slot (every slot storing, loading, pinned for a
+# waiting request or queued for an L3 write) by the time the request stopped waiting.
+NO_FREE_SLOT = "no_free_slot"
 # Phases in which a request waits on storage.
 _WAITING = frozenset({"lookup", "probe", "fetch"})
 
@@ -90,6 +93,11 @@ class L3RequestState:
     # land together one read's time after they start (an H100 host: 1 of 64 in after
     # 29 ms priced the rest at 1.8 s, where the whole fetch took 0.19 s).
     first_landing: float | None = None
+    # Chunks chosen for the fetch that found no CPU-tier slot yet, from `next_fetch` on:
+    # reserved in order as slots free up while the fetch runs (never past a gap, so a
+    # full tier drops tails, never heads).
+    short: int = 0
+    next_fetch: int = 0
 
 
 class L3Prefetch:
@@ -134,6 +142,7 @@ class L3Prefetch:
         # Chunk keys of the units fetched from storage for a request while it waited:
         # where its hit came from (vLLM's hits by source).
         self._fetched_for: dict[str, set[bytes]] = {}
+        self._warned_small_tier = False
         self.fetches = FetchBook(index, new_job_id, self.cost.storage)
         # Lookups no request waits for any more, kept to measure the storage.
         self.background = BackgroundProbe(
@@ -223,6 +232,8 @@ class L3Prefetch:
             state.decision.lookup_s = time.perf_counter() - state.lookup_started
             self.cost.storage.observe_round_trip(state.decision.lookup_s)
             self._start_fetches(req_id, state, keys, present)
+        if state.phase == "fetch" and state.short:
+            self._fetch_more(req_id, state, keys)
         if state.phase in ("probe", "fetch") and state.jobs:
             if self._may_wait(state, landed):
                 return True
@@ -382,7 +393,9 @@ class L3Prefetch:
             self._finish(state, "probe_failed", landed)  # refused or failed: counted there
             return
         rest = state.hits - landed
-        wanted = self.cost.chunks_worth_loading(state.first_chunk + landed, rest, False)
+        wanted = self.cost.chunks_worth_loading(
+            state.first_chunk + landed, rest, False, state.end_chunk - state.first_chunk
+        )
         self._note_estimate(state, wanted or rest)
         if wanted < rest:
             self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, rest - wanted)
@@ -430,6 +443,8 @@ class L3Prefetch:
             decision.fetch_s = time.monotonic() - state.fetch_started
         decision.outcome = outcome
         decision.landed = landed
+        if state.short:
+            self._report_short(state)
         if self.cost.storage.samples and decision.unit_s is None:
             decision.unit_s = self.cost.storage.unit_s
         self.log.record(decision)
@@ -444,11 +459,16 @@ class L3Prefetch:
         phase: str,
     ) -> bool:
         """Fetch chunks [first, first + count) for the request, as far as slots allow,
-        and wait on them in `phase`; False (the request stops waiting): no free slot."""
-        # Short of free slots, a prefix of them: recompute the rest.
+        and wait on them in `phase`; False (the request stops waiting): no free slot.
+        Short of free slots, a prefix of them: the rest is reserved as slots free up
+        while the fetch runs (`_fetch_more`), and what is still short when the request
+        stops waiting is recomputed."""
         jobs = self.fetches.reserve(req_id, keys[first : first + count])
         state.jobs.update(jobs)
         state.decision.wanted += len(jobs)
+        # A probe is a timing round, not the hit: only a fetch's missing tail waits.
+        state.short = count - len(jobs) if phase == "fetch" else 0
+        state.next_fetch = first + len(jobs)
         if not state.jobs:
             landed = first - state.first_chunk
             self._finish(state, "partial" if landed else "no_free_slot", landed)
@@ -457,6 +477,40 @@ class L3Prefetch:
             state.fetch_started = time.monotonic()
         state.phase = phase
         return True
+
+    def _fetch_more(self, req_id: str, state: L3RequestState, keys: Sequence[bytes]) -> None:
+        """Reserve more of the fetch's chosen chunks that had no slot: slots held by
+        stores, loads and L3 writes in flight, or by other requests' waits, free up
+        as those end. Tried only while the fetch still has reads out (a request never
+        waits on slots alone), and in order from the first missing one."""
+        jobs = self.fetches.reserve(req_id, keys[state.next_fetch : state.next_fetch + state.short])
+        if jobs:
+            state.jobs.update(jobs)
+            state.decision.wanted += len(jobs)
+            state.short -= len(jobs)
+            state.next_fetch += len(jobs)
+
+    def _report_short(self, state: L3RequestState) -> None:
+        """The request stopped waiting with chosen chunks that never found a slot: count
+        them, name them in its decision, and say once when the CPU tier is smaller than
+        the hit itself (then no hit is ever taken deeper than the tier's slots)."""
+        decision = state.decision
+        decision.no_slot = state.short
+        self.stats.record_l3_declined(NO_FREE_SLOT, state.short)
+        chosen = decision.wanted + state.short
+        if chosen > self.index.num_slots and not self._warned_small_tier:
+            self._warned_small_tier = True
+            logger.warning(
+                "DraftOffloadConnector: a storage hit of %d units does not fit the CPU "
+                "tier (%d units): storage hits are taken at most that deep, the rest is "
+                'recomputed (l3_declined_chunks{cause="%s"}); raise cpu_bytes_to_use '
+                "to at least %d units' bytes to restore whole prompts",
+                chosen,
+                self.index.num_slots,
+                NO_FREE_SLOT,
+                chosen,
+            )
+        state.short = 0
 
     def _found(self, chunk_keys: Sequence[bytes]) -> None:
         if self.on_found is not None:

@@ -48,12 +48,15 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
 # Why storage hits were not fetched (l3.hit_policy=cost).
 # not_looked_up: the lookup was skipped since even a full hit would be slower;
 # speed_unknown: not looked up since the engine's prefill speed is not known yet;
-# fetch_too_slow: the lookup or fetch did not land within the request's wait allowance.
+# fetch_too_slow: the lookup or fetch did not land within the request's wait allowance;
+# no_free_slot: chunks a fetch chose that found no CPU-tier slot while the request
+# waited (any hit policy; a tier smaller than the hit is also warned about in the log).
 L3_DECLINE_CAUSES: Final[tuple[str, ...]] = (
     "slower_than_recompute",
     "not_looked_up",
     "speed_unknown",
     "fetch_too_slow",
+    "no_free_slot",
 )
 # Storage-tier thread work (l3_thread_seconds): what the threads did, and which clock.
 L3_THREAD_OPS: Final[tuple[str, ...]] = ("read", "write")
