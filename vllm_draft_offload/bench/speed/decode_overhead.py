@@ -246,8 +246,9 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         print(args.config, json.dumps(result["reps"][-1]), flush=True)
     if args.profile:
         result["profile"] = profile_batch(
-            lambda: generate(batch_prompts(args.reps, args.batch, args.prompt_tokens),
-                             args.decode_tokens)
+            lambda: generate(
+                batch_prompts(args.reps, args.batch, args.prompt_tokens), args.decode_tokens
+            )
         )
         settle()
     if args.config == "store" and args.turn_prompts > 0:
@@ -434,9 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape", default="small,llama8b", help="of llama8b, small (comma-separated)"
     )
-    parser.add_argument(
-        "--configs", default="none,idle,store", help=f"of {', '.join(CONFIGS)}"
-    )
+    parser.add_argument("--configs", default="none,idle,store", help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--rounds", type=int, default=1, help="engines per config, alternating")
     parser.add_argument("--reps", type=int, default=3, help="timed batches per engine")
     parser.add_argument("--batch", type=int, default=16)
