@@ -115,6 +115,11 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     assert summary["decode_tok_s"] == {"none": 1000.0, "idle": 995.0, "store": 980.0}
     assert summary["store_vs_none"] == 0.98 and summary["goal_0.97_met"] is True
     assert summary["idle_vs_none"] == 0.995
+    # The fastest batch of each config, and the spread the medians hide.
+    assert summary["decode_tok_s_best"] == {"none": 1010.0, "idle": 995.0, "store": 985.0}
+    assert summary["decode_tok_s_range"]["none"] == [990.0, 1010.0]
+    assert summary["store_vs_none_best"] == 985.0 / 1010.0
+    assert summary["idle_vs_none_best"] == 995.0 / 1010.0
     assert summary["null_vs_none"] is None and summary["idle_vs_null"] is None  # not run
     assert summary["expected_chunks_per_batch"] == 16 * 5
     assert summary["stored_fraction"] == 79.0 / 80.0  # the worst batch
@@ -140,6 +145,7 @@ def test_null_splits_idle_overhead_into_vllms_plumbing_and_ours() -> None:
     rep.summarize(report)
     summary = report["summary"]
     assert summary["null_vs_none"] == 0.9 and summary["idle_vs_null"] == 0.9
+    assert summary["decode_tok_s_best"]["idle"] == 810.0
     assert summary["idle_vs_none"] == 0.81 and summary["native_vs_none"] == 0.85
     assert summary["store_vs_none"] is None and summary["goal_0.97_met"] is None
 

@@ -137,6 +137,16 @@ def _put_unit(store: L3Store, chunk_key: bytes, rank: int, successors: tuple[int
     store.put(object_key(chunk_key, rank), encode_unit(header, payload))
 
 
+def _stored_prompt(prefetch: L3Prefetch, tag: int, chunks: int) -> list[bytes]:
+    """The chunk keys of a prompt of `chunks` units, every one written to storage."""
+    store = prefetch.lookup.store
+    assert store is not None
+    keys = [bytes([tag, c]) * 16 for c in range(chunks)]
+    for key in keys:
+        _put_unit(store, key, 0, ())
+    return keys
+
+
 def test_a_unit_is_present_only_when_every_rank_holds_it(tmp_path: Path) -> None:
     prefetch = _prefetch(f"fs://{tmp_path / 'l3'}", world_size=2)
     lookup = prefetch.lookup
@@ -298,11 +308,7 @@ def test_units_landing_out_of_order_are_the_fetch_pace(tmp_path: Path) -> None:
     is progress; the leading count alone stood at 5 of 64 while more had landed, and a
     warm fetch on pace was given up (H100, session 13)."""
     prefetch = _prefetch(f"fs://{tmp_path / 'l3'}", hit_policy="cost", io_threads=4)
-    store = prefetch.lookup.store
-    assert store is not None
-    keys = [bytes([7, c]) * 16 for c in range(8)]
-    for key in keys:
-        _put_unit(store, key, 0, ())
+    keys = _stored_prompt(prefetch, 7, 8)
     for tokens in (CHUNK, 2 * CHUNK, 4 * CHUNK, 8 * CHUNK):  # the engine's prefill speed
         prefetch.cost.prefill.observe(tokens, tokens * tokens / 2, 0.01 * tokens)
     prefetch.cost.storage.observe_fetch(0.001)  # measured: no probe
@@ -367,11 +373,7 @@ def test_a_warm_restart_fetches_the_whole_hit(tmp_path: Path) -> None:
     cost model priced 1-3 chunks with the engine's own fit of its warm-up (which
     reaches 3 chunks) and 4-64 with the calibration, so 3 chunks looked the best buy."""
     prefetch = _session13_prefetch(f"fs://{tmp_path / 'l3'}", slots=682)
-    store = prefetch.lookup.store
-    assert store is not None
-    keys = [bytes([9, c]) * 16 for c in range(64)]
-    for key in keys:
-        _put_unit(store, key, 0, ())
+    keys = _stored_prompt(prefetch, 9, 64)
     decision = _until_fetching(prefetch, "r", keys)
     assert decision.found == 64
     assert decision.wanted == 64, decision.line()
@@ -385,11 +387,7 @@ def test_a_fetch_takes_slots_freed_while_it_runs(tmp_path: Path) -> None:
     first; as they complete and become evictable, the fetch reserves the rest of its
     chosen chunks, in order, while its reads are out, and the whole hit is taken."""
     prefetch = _session13_prefetch(f"fs://{tmp_path / 'l3'}", slots=64)
-    store = prefetch.lookup.store
-    assert store is not None
-    keys = [bytes([10, c]) * 16 for c in range(64)]
-    for key in keys:
-        _put_unit(store, key, 0, ())
+    keys = _stored_prompt(prefetch, 10, 64)
     storing = [(bytes([11, c]) * 16, (1,)) for c in range(30)]
     for unit_id in storing:
         assert prefetch.index.reserve(unit_id) is not None  # another prompt's stores

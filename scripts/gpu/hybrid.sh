@@ -21,7 +21,9 @@ fi
 B=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["block_size"])' \
   "$F/hybrid-mtp/fixture_meta.json") || exit 1
 echo "block_size=$B"
-runs=(hit:mtp:hybrid-mtp:hit none:mtp:hybrid-mtp:none ours:mtp:hybrid-mtp:ours)
+# NAME is DRAFTER-CONNECTOR, as `vllm-draft-offload table` reads it
+runs=(hybrid-mtp-hit:mtp:hybrid-mtp:hit hybrid-mtp-none:mtp:hybrid-mtp:none
+  hybrid-mtp-ours:mtp:hybrid-mtp:ours)
 export JOBS=1 OURS_EXTRA=",\"chunk_size\":$B"
 # gdn_prefill_backend triton: vLLM's default on Hopper is FlashInfer's GDN prefill,
 # which imports NVIDIA's CUTLASS DSL (`cutlass`), not in the GPU bundle (H100, session

@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+from vllm_draft_offload.bench.speed.null_connector import NullConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,7 +79,9 @@ def cached_blocks(req: NewRequestData, block_sizes: list[int]) -> dict[int, list
     }
 
 
-class KVProbeConnector(KVConnectorBase_V1, SupportsHMA):
+class KVProbeConnector(NullConnector, SupportsHMA):
+    """Corrupts draft KV before the forward; every other hook does nothing (NullConnector)."""
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -185,17 +188,6 @@ class KVProbeConnector(KVConnectorBase_V1, SupportsHMA):
             sel = view[idx].float()
             view[idx] = (torch.randn_like(sel) * sel.std().clamp_min(1e-3)).to(cache.dtype)
         self.corrupted[name] += int(idx.numel())
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
 
     def report(self) -> dict[str, Any]:
         ctx = self._vllm_config.compilation_config.static_forward_context
