@@ -245,3 +245,19 @@ def test_what_cannot_carry_the_state_is_refused(
     config = parse_config({"cpu_bytes_to_use": 1 << 30, "chunk_size": BLOCK, **extra})
     with pytest.raises(ConfigError, match=field):
         check_state_groups(eng.kv_cache_config, config)
+
+
+def test_stored_and_loaded_chunks_count_units_without_the_state(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """The chunk counters count every unit a store or load moves, also the units whose
+    first group (a Mamba group) has no page because no state was kept at their end."""
+    eng = engine(model_dirs, eagle_method="mtp")
+    tokens = prompt(13, 100)  # checkpoint at 80: units 0..4 end with no state but 4's
+    eng.add_request("a", tokens, max_tokens=4)
+    eng.run_until_done()
+    index = eng.scheduler.connector.scheduler.index
+    stored = eng.take_published()["chunks"]["store/cpu"]
+    assert stored == len(list(index)) == 6
+    assert serve_restored(eng, "b", tokens, max_tokens=4) == 80
+    assert eng.take_published()["chunks"]["load/cpu"] == 80 // BLOCK

@@ -18,9 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 def job_slots(layout: UnitLayout, job: TransferJob) -> set[int]:
-    """The CPU-tier slots (one per chunk) a job reads or writes."""
-    first = layout.groups[0]
-    return {page // first.pages_per_unit for page in job.host_pages[0]}
+    """The CPU-tier slots (one per chunk) a job reads or writes: of every group, since
+    a state group has a page only in the units that hold a state."""
+    return {
+        page // group.pages_per_unit
+        for group, pages in zip(layout.groups, job.host_pages, strict=True)
+        for page in pages
+    }
 
 
 class SlotChecksums:
