@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_draft_offload.bench.options import command_parser
-from vllm_draft_offload.bench.speed.decode_overhead import CONFIGS, connector_config
+from vllm_draft_offload.bench.speed.decode_overhead import connector_config
 from vllm_draft_offload.bench.speed.shapes import (
     BLOCK_SIZE,
     SHAPES,
@@ -83,6 +83,10 @@ WORKER_HOOKS = (
     "build_connector_worker_meta",
     "wait_for_save",
 )
+
+# What it times: no connector, and ours storing nothing or everything (decode-overhead's
+# null and native configurations are other connectors, whose hooks it does not wrap).
+CONFIGS = ("none", "idle", "store")
 
 
 # The engine thread's CPU time, not wall time: what other processes on a shared machine
