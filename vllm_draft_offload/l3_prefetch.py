@@ -463,12 +463,9 @@ class L3Prefetch:
         Short of free slots, a prefix of them: the rest is reserved as slots free up
         while the fetch runs (`_fetch_more`), and what is still short when the request
         stops waiting is recomputed."""
-        jobs = self.fetches.reserve(req_id, keys[first : first + count])
-        state.jobs.update(jobs)
-        state.decision.wanted += len(jobs)
-        # A probe is a timing round, not the hit: only a fetch's missing tail waits.
-        state.short = count - len(jobs) if phase == "fetch" else 0
-        state.next_fetch = first + len(jobs)
+        self._reserve(req_id, state, keys, first, count)
+        if phase != "fetch":
+            state.short = 0  # a probe is a timing round, not the hit: no tail waits
         if not state.jobs:
             landed = first - state.first_chunk
             self._finish(state, "partial" if landed else "no_free_slot", landed)
@@ -478,17 +475,23 @@ class L3Prefetch:
         state.phase = phase
         return True
 
+    def _reserve(
+        self, req_id: str, state: L3RequestState, keys: Sequence[bytes], first: int, count: int
+    ) -> None:
+        """Reserve fetches of chunks [first, first + count) in order, as far as slots
+        allow; those without a slot are `short`, from `next_fetch` on."""
+        jobs = self.fetches.reserve(req_id, keys[first : first + count])
+        state.jobs.update(jobs)
+        state.decision.wanted += len(jobs)
+        state.short = count - len(jobs)
+        state.next_fetch = first + len(jobs)
+
     def _fetch_more(self, req_id: str, state: L3RequestState, keys: Sequence[bytes]) -> None:
         """Reserve more of the fetch's chosen chunks that had no slot: slots held by
         stores, loads and L3 writes in flight, or by other requests' waits, free up
         as those end. Tried only while the fetch still has reads out (a request never
         waits on slots alone), and in order from the first missing one."""
-        jobs = self.fetches.reserve(req_id, keys[state.next_fetch : state.next_fetch + state.short])
-        if jobs:
-            state.jobs.update(jobs)
-            state.decision.wanted += len(jobs)
-            state.short -= len(jobs)
-            state.next_fetch += len(jobs)
+        self._reserve(req_id, state, keys, state.next_fetch, state.short)
 
     def _report_short(self, state: L3RequestState) -> None:
         """The request stopped waiting with chosen chunks that never found a slot: count

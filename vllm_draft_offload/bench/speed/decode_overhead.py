@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_draft_offload.bench.kv_configs import native_offloading_config
 from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.decode_report import (
@@ -121,11 +122,7 @@ def connector_config(
             "kv_role": "kv_both",
         }
     if config == "native":
-        return {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": int(cpu_gib * 2**30)},
-        }
+        return native_offloading_config(int(cpu_gib * 2**30))
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": int(cpu_gib * 2**30),
         "chunk_size": chunk,

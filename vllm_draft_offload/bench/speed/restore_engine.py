@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_draft_offload.bench.kv_configs import native_offloading_config
 from vllm_draft_offload.bench.speed.l3_dir import unit_files, wait_for_l3_files, write_throughput
 from vllm_draft_offload.bench.speed.shapes import VOCAB
 from vllm_draft_offload.metric_defs import L3_THREAD_CLOCKS, L3_THREAD_OPS
@@ -34,11 +35,7 @@ def is_restart(config: str) -> bool:
 def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
     cpu_bytes = args.cpu_gib * 2**30
     if args.config == "native":
-        return {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
-        }
+        return native_offloading_config(cpu_bytes)
     if args.config.startswith("ours"):
         extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "chunk_size": args.chunk_size}
         if getattr(args, "copy_path", None):

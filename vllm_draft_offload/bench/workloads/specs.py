@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_draft_offload.bench.kv_configs import native_offloading_config
+
 CONFIGS: tuple[str, ...] = ("none", "gpu_prefix", "native", "lmcache", "ours_cpu", "ours_disk")
 WORKLOADS: tuple[str, ...] = ("chat", "docqa", "divergent", "nohit")
 # Drafter methods whose draft KV at position p is built from token p+1 (the
@@ -405,11 +407,7 @@ def engine_kwargs(
     if sizes.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = sizes.max_num_batched_tokens
     if config == "native":
-        kw["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": sizes.cpu_bytes},
-        }
+        kw["kv_transfer_config"] = native_offloading_config(sizes.cpu_bytes)
     elif config == "lmcache":
         kw["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     elif config in ("ours_cpu", "ours_disk"):
