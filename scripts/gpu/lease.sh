@@ -5,6 +5,11 @@
 #   fixtures  build /root/fx (Llama family), /root/fx-mtp (MTP) and /root/fx-swa
 #             (Gemma-3-shaped, 128-token windows) side by side, in the background
 #   fx        build /root/fx (Llama family) alone: what serve, pressure and soak need
+#   fx-mtp    build /root/fx-mtp (the MTP fixtures) alone; fx-mtp-swa: it and /root/fx-swa
+#             side by side, waiting for both (chainable, unlike fixtures)
+#   accept-mtp / accept-swa  the MTP or the sliding-window part of accept alone (MTP: none,
+#             the no-connector prefix-cache hit control, corrupt, ours, ours_l3, diverge,
+#             native and LMCache for each MTP fixture)
 #   accept    the acceptance runs still missing (MTP, sliding windows, storage restart,
 #             32k prompts), JOBS=6 in the background: /root/acc-*
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
@@ -56,7 +61,7 @@ set_up() { [ -x /root/proj/bin/vllm-draft-offload ]; }
 accept_cmd() {
   local mtp=() swa llama long long_mtp f c
   for f in glm-mtp glm-mtp2 dsv3-mla-mtp; do
-    for c in corrupt none ours ours_l3 diverge native; do mtp+=("$f-$c:mtp:$f:$c"); done; done
+    for c in none hit corrupt ours ours_l3 diverge native lmcache; do mtp+=("$f-$c:mtp:$f:$c"); done; done
   swa=(self-corrupt:draft_model:self-draft:corrupt self-none:draft_model:self-draft:none
        self-ours:draft_model:self-draft:ours self-ours_l3:draft_model:self-draft:ours_l3
        self-native:draft_model:self-draft:native eagle3-corrupt:eagle3:eagle3:corrupt
@@ -67,6 +72,10 @@ accept_cmd() {
         eagle3-ours:eagle3:eagle3:ours)
   long_mtp=(glm-mtp-none:mtp:glm-mtp:none glm-mtp-corrupt:mtp:glm-mtp:corrupt
             glm-mtp-ours:mtp:glm-mtp:ours)
+  case ${1:-all} in
+  mtp) echo "export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-mtp ${mtp[*]}"; return ;;
+  swa) echo "export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx-swa /root/acc-swa ${swa[*]}"; return ;;
+  esac
   echo "export JOBS=6
     bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-mtp ${mtp[*]}
     bash scripts/gpu/accept_runs.sh /root/fx-swa /root/acc-swa ${swa[*]}
@@ -122,6 +131,13 @@ declare -A CMD=(
   [hybrid-speed]="vllm-draft-offload restore-speed --enforce-eager --shape gptoss20b \
     --configs recompute,native,ours --reps 3 --out /root/restore_speed_gptoss.json"
   [accept]="$(accept_cmd)"
+  [accept-mtp]="$(accept_cmd mtp)"
+  [accept-swa]="$(accept_cmd swa)"
+  [fx-mtp]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp"
+  [fx-mtp-swa]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp \
+      > $L/fx-mtp.log 2>&1 &
+    bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128 > $L/fx-swa.log 2>&1 &
+    wait; tail -n 3 $L/fx-mtp.log $L/fx-swa.log"
 )
 
 phase=${1:-}
@@ -136,7 +152,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|accept|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|accept|accept-mtp|accept-swa|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
