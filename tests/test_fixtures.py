@@ -290,6 +290,18 @@ def test_sliding_window_layout_shapes_and_masks() -> None:
             assert changed == inside, position
 
 
+def test_sliding_windows_default_to_the_llama_family() -> None:
+    """`--sliding-window` without `--only` builds what has a sliding-window form (session
+    15: the runbook's build stopped at once, refusing the MTP fixtures it had not been
+    asked for); naming an MTP fixture is still refused."""
+    from vllm_draft_offload.bench.fixtures.build import FIXTURES, fixture_names
+
+    assert fixture_names(None, windows=True) == list(FIXTURES)
+    assert "glm-mtp" in fixture_names(None, windows=False)
+    with pytest.raises(ValueError, match="glm-mtp"):
+        fixture_names(["target", "glm-mtp"], windows=True)
+
+
 def test_gemma3_shaped_fixture_is_read_by_vllm_as_sliding_windows(
     windows_dir: Path, vllm_dist: None
 ) -> None:

@@ -172,6 +172,13 @@ def main(argv: list[str] | None = None) -> None:
         f"of {', '.join(VARIANT_SETTINGS)} (e.g. spread,spread+strict)",
     )
     parser.add_argument(
+        "--restart-warmup-tokens",
+        type=int,
+        help="a restarted engine's untimed first request (default: --tokens, a full-length "
+        "prompt no engine wrote, so the first timed hit does not carry the engine's first "
+        "long prefill; below --chunk-size: nothing stored or looked up, the session-14 form)",
+    )
+    parser.add_argument(
         "--raw-gib", type=float, default=4.0, help="size of the raw disk baseline file"
     )
     parser.add_argument("--raw-threads", default="1,4", help="thread counts of the raw reads")
@@ -298,6 +305,7 @@ def run_shape(
             ("--l3-staging-mb", args.l3_staging_mb),
             ("--l3-hit-policy", getattr(args, "l3_hit_policy", None)),
             ("--copy-path", args.copy_path),
+            ("--restart-warmup-tokens", args.restart_warmup_tokens),
         ):
             if value:
                 cmd += [flag, str(value)]

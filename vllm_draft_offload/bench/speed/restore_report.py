@@ -36,6 +36,10 @@ def summarize(report: dict[str, Any]) -> None:
     recompute = configs.get("recompute", {})
     base = _median(recompute["fresh_s"]) if recompute.get("fresh_s") else None
     summary: dict[str, Any] = {"recompute_ttft_s": base}
+    if base and recompute.get("first_request_s"):
+        # The no-connector control of a restart's first request: an engine's first
+        # long prefill against its later ones, nothing cached.
+        summary["recompute_first_request_ratio"] = recompute["first_request_s"] / base
     hits = {
         "native": configs.get("native", {}),
         "ours": configs.get("ours", {}),
@@ -76,6 +80,8 @@ def summarize(report: dict[str, Any]) -> None:
             summary[name]["prompt_tokens"] = report["tokens"]
             summary[name]["hit_ttft_s_per_prompt"] = hit
             summary[name]["recompute_ttft_s_same_engine"] = own
+            summary[name]["warmup_tokens"] = result.get("warmup_tokens", 0)
+            summary[name]["warmup_ttft_s"] = result.get("warmup_s")
             summary[name]["ttft_vs_recompute_per_prompt"] = (
                 [h / (base or own) for h in hit] if (base or own) else None
             )
