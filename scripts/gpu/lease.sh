@@ -33,6 +33,11 @@
 #             small shape, none/null/idle twice alternating, then native and store
 #             (1,024 decode tokens; H100, session 14: more than 15 min, about 90 s an
 #             engine): /root/decode_diag_small.json, decode_diag_store_small.json
+#   decode-8b  decode-overhead at the Llama-8B shape (GPU-bound), compiled: none, store,
+#             idle, native, 4 batches each, and the store engine's multi-turn check:
+#             /root/decode_8b.json
+#   l3-probe2  restore-speed, recompute and ours_l3, 2 reps, restarts warmed up with a
+#             full-length prompt (recompute's first request: the no-connector control)
 #   decode-prof  one profiled batch each of none/null/idle (torch.profiler: wall
 #             against GPU busy time): /root/decode_prof_small.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
@@ -123,6 +128,10 @@ declare -A CMD=(
     vllm-draft-offload decode-overhead --shape small --configs native,store --reps 4 \
       --decode-tokens 1024 --turn-prompts 0 --out /root/decode_diag_store_small.json
 "
+  [decode-8b]="vllm-draft-offload decode-overhead --shape llama8b --configs none,store,idle,native \
+      --reps 4 --out /root/decode_8b.json"
+  [l3-probe2]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
+    --l3-dir /root/l3p2 --drop-caches --out /root/restore_speed_l3_probe2.json"
   [decode-prof]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle --reps 1 \
       --turn-prompts 0 --profile --out /root/decode_prof_small.json"
   [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
@@ -152,7 +161,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|accept|accept-mtp|accept-swa|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|accept|accept-mtp|accept-swa|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
