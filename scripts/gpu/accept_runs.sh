@@ -2,6 +2,7 @@
 # Acceptance-parity runs on the device.
 #   [JOBS=N] scripts/gpu/accept_runs.sh FIXTURES OUTDIR NAME:METHOD:DRAFT:CONNECTOR ...
 # CONNECTOR is ours | native | lmcache | none | corrupt (the KV-sensitivity probe) |
+# corrupt_window (the probe on the target's sliding-window KV: sliding-window fixtures) |
 # diverge (ours, with the divergent-successor plan: EAGLE/MTP drafters) |
 # hit (no connector: the prompts again from the GPU prefix cache, vs fresh) |
 # ours_l3 (ours with its fs:// storage tier, --restart-from-storage: one engine runs the
@@ -37,6 +38,7 @@ one_run() {
   local name=$1 method=$2 draft=$3 connector=$4 start extra rc
   case "$connector" in
     corrupt) extra=(--corrupt-draft-kv) ;;
+    corrupt_window) extra=(--corrupt-target-window-kv) ;;
     diverge) extra=(--kv-transfer-config "${KV[ours]}" --divergent-successors) ;;
     hit) extra=(--prefix-cache-hit) ;;
     ours_l3) extra=(--kv-transfer-config "${KV[ours]}" --restart-from-storage) ;;

@@ -3,13 +3,15 @@
 # follow at once (a machine goes back after 30 s without a call). After staging and
 # setup.sh:   bash scripts/gpu/lease.sh PHASE
 #   fixtures  build /root/fx (Llama family), /root/fx-mtp (MTP) and /root/fx-swa
-#             (Gemma-3-shaped, 128-token windows) side by side, in the background
+#             (Gemma-3-shaped, 512-token windows: well below the 4k-token prompts)
+#             side by side, in the background
 #   fx        build /root/fx (Llama family) alone: what serve, pressure and soak need
 #   fx-mtp    build /root/fx-mtp (the MTP fixtures) alone; fx-mtp-swa: it and /root/fx-swa
 #             side by side, waiting for both (chainable, unlike fixtures)
 #   accept-mtp / accept-swa  the MTP or the sliding-window part of accept alone (MTP: none,
 #             the no-connector prefix-cache hit control, corrupt, ours, ours_l3, diverge,
-#             native and LMCache for each MTP fixture)
+#             native and LMCache for each MTP fixture; sliding windows: corrupt (draft KV)
+#             and corrupt_window (the target's window KV) for self-draft and eagle3 too)
 #   accept    the acceptance runs still missing (MTP, sliding windows, storage restart,
 #             32k prompts), JOBS=6 in the background: /root/acc-*
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
@@ -70,7 +72,9 @@ accept_cmd() {
   swa=(self-corrupt:draft_model:self-draft:corrupt self-none:draft_model:self-draft:none
        self-ours:draft_model:self-draft:ours self-ours_l3:draft_model:self-draft:ours_l3
        self-native:draft_model:self-draft:native eagle3-corrupt:eagle3:eagle3:corrupt
-       eagle3-ours:eagle3:eagle3:ours eagle3-ours_l3:eagle3:eagle3:ours_l3)
+       eagle3-ours:eagle3:eagle3:ours eagle3-ours_l3:eagle3:eagle3:ours_l3
+       self-corrupt_window:draft_model:self-draft:corrupt_window
+       eagle3-corrupt_window:eagle3:eagle3:corrupt_window)
   llama=(self-ours_l3:draft_model:self-draft:ours_l3 small-ours_l3:draft_model:small-draft:ours_l3
          eagle-ours_l3:eagle:eagle:ours_l3 eagle3-ours_l3:eagle3:eagle3:ours_l3)
   long=(eagle3-none:eagle3:eagle3:none eagle3-corrupt:eagle3:eagle3:corrupt
@@ -145,7 +149,7 @@ declare -A CMD=(
   [fx-mtp]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp"
   [fx-mtp-swa]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp \
       > $L/fx-mtp.log 2>&1 &
-    bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128 > $L/fx-swa.log 2>&1 &
+    bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512 > $L/fx-swa.log 2>&1 &
     wait; tail -n 3 $L/fx-mtp.log $L/fx-swa.log"
 )
 
@@ -159,7 +163,7 @@ case "$phase" in
 fixtures)
   bg fx "${CMD[fx]}; echo fx-done"
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
-  bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 128; echo fx-swa-done"
+  bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
 fx|fx-mtp|fx-mtp-swa|accept|accept-mtp|accept-swa|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"

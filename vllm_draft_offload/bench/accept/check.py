@@ -35,6 +35,12 @@ Default plan (connector parity), ``--kv-transfer-config`` selects the connector:
   extended_corrupt  as ``extended``, but the drafter's KV of the cached prefix is
                     zeroed first; outputs must equal ``extended`` (target KV intact),
                     acceptance must drop (>= 30% on the gpu fixtures)
+
+``--corrupt-target-window-kv`` plan (the same, on a sliding-window target):
+  extended_corrupt_window  as ``extended``, but the *target's* sliding-window layers'
+                    KV of the cached prefix (the in-window blocks vLLM kept) is zeroed;
+                    outputs or acceptance must change: a restore that left the window
+                    out would be caught
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ EXAMPLES = """examples:
   # KV sensitivity: zero the restored draft KV, acceptance must drop
   vllm-draft-offload accept --fixtures F --spec-method draft_model --draft small-draft \\
       --corrupt-draft-kv --enforce-eager --out sens.json
+  # sliding-window fixtures: zero the target's in-window KV, outputs must change
+  vllm-draft-offload accept --fixtures F-SWA --spec-method eagle3 --draft eagle3 \\
+      --corrupt-target-window-kv --enforce-eager --out window.json
   # an MTP fixture: the target carries its MTP layers (vLLM loads both from it)
   vllm-draft-offload accept --fixtures F --spec-method mtp --draft glm-mtp --out mtp.json
   # any model dirs instead of fixtures
@@ -264,18 +273,27 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         if draft:
             spec["model"] = draft
     kv = _json_arg(args.kv_transfer_config)
-    if args.corrupt_draft_kv and kv is not None:
+    probe = args.corrupt_draft_kv or args.corrupt_target_window_kv
+    if probe and kv is not None:
         raise SystemExit(
-            "--corrupt-draft-kv uses its own probe connector; drop --kv-transfer-config"
+            "--corrupt-draft-kv / --corrupt-target-window-kv use their own probe connector; "
+            "drop --kv-transfer-config"
         )
     prompt_tokens = args.prompt_tokens or _default_prompt_tokens(model)
-    plans = [args.corrupt_draft_kv, args.divergent_successors, args.prefix_cache_hit]
+    plans = [
+        args.corrupt_draft_kv,
+        args.corrupt_target_window_kv,
+        args.divergent_successors,
+        args.prefix_cache_hit,
+    ]
     if sum([*plans, args.restart_from_storage]) > 1:
         raise SystemExit(
-            "choose one of --corrupt-draft-kv, --divergent-successors, --prefix-cache-hit, "
-            "--restart-from-storage"
+            "choose one of --corrupt-draft-kv, --corrupt-target-window-kv, "
+            "--divergent-successors, --prefix-cache-hit, --restart-from-storage"
         )
-    phases = plan_phases(args.corrupt_draft_kv, args.prefix_cache_hit)
+    phases = plan_phases(
+        args.corrupt_draft_kv, args.prefix_cache_hit, args.corrupt_target_window_kv
+    )
     if args.l3_dir and not args.restart_from_storage:
         raise SystemExit("--l3-dir goes with --restart-from-storage")
     if args.restart_from_storage:
@@ -301,6 +319,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         speculative_config=spec,
         kv_transfer_config=kv,
         corrupt_draft_kv=args.corrupt_draft_kv,
+        corrupt_target_window_kv=args.corrupt_target_window_kv,
         corrupt_mode=args.corrupt_mode,
         prompt_tokens=prompt_tokens,
         num_prompts=args.num_prompts,
@@ -351,6 +370,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-transfer-config", help="JSON for any connector, or 'none'")
     ap.add_argument(
         "--corrupt-draft-kv", action="store_true", help="KV-sensitivity plan (probe connector)"
+    )
+    ap.add_argument(
+        "--corrupt-target-window-kv",
+        action="store_true",
+        help="KV-sensitivity plan on the target's sliding-window layers (probe connector): "
+        "their in-window KV of the cached prefix zeroed, outputs or acceptance must change",
     )
     ap.add_argument("--corrupt-mode", choices=["zero", "noise"], default="zero")
     ap.add_argument(

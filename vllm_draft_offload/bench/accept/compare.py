@@ -6,7 +6,11 @@ acceptance lengths, and by the table; no vLLM.
 
 from __future__ import annotations
 
-from vllm_draft_offload.bench.accept.plans import RESTORED_STORAGE
+from vllm_draft_offload.bench.accept.plans import (
+    EXTENDED_CORRUPT,
+    EXTENDED_CORRUPT_WINDOW,
+    RESTORED_STORAGE,
+)
 from vllm_draft_offload.bench.accept.restart import storage_reads
 from vllm_draft_offload.bench.accept.schema import Comparison, PhaseResult, Summary
 
@@ -75,10 +79,19 @@ def summarize(phases: list[PhaseResult]) -> Summary:
     if RESTORED_STORAGE in by_phase:
         summary.acceptance_ratio = by_phase[RESTORED_STORAGE].ratio
         summary.storage_reads = storage_reads(by_name[RESTORED_STORAGE])
-    if "extended_corrupt" in by_phase and by_phase["extended_corrupt"].ratio is not None:
-        summary.corruption_ratio = by_phase["extended_corrupt"].ratio
+    if EXTENDED_CORRUPT in by_phase and by_phase[EXTENDED_CORRUPT].ratio is not None:
+        summary.corruption_ratio = by_phase[EXTENDED_CORRUPT].ratio
         summary.corruption_drop = 1.0 - summary.corruption_ratio
         summary.sensitivity_pass = summary.corruption_drop >= SENSITIVITY_MIN_DROP
+    if EXTENDED_CORRUPT_WINDOW in by_phase:
+        # the target read zeroed window KV: its outputs (or acceptance) must change
+        c = by_phase[EXTENDED_CORRUPT_WINDOW]
+        changed = c.outputs_match < c.outputs_compared
+        if c.ratio is not None:
+            summary.corruption_ratio = c.ratio
+            summary.corruption_drop = 1.0 - c.ratio
+            changed = changed or abs(summary.corruption_drop) >= SENSITIVITY_MIN_DROP
+        summary.sensitivity_pass = changed
     if comps:
         summary.all_outputs_match = all(c.outputs_match == c.outputs_compared for c in comps)
     hits = [(c, by_name[c.phase]) for c in comps if c.expected_cached_tokens is not None]

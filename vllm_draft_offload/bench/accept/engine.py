@@ -130,12 +130,18 @@ def build_llm_kwargs(
     if cfg.speculative_config:
         kw["speculative_config"] = cfg.speculative_config
         kw["per_request_spec_decode_metrics"] = "summary"  # vLLM rejects it without spec
-    if cfg.corrupt_draft_kv:
+    if cfg.corrupt_draft_kv or cfg.corrupt_target_window_kv:
         # imports vllm: after env setup
-        from vllm_draft_offload.bench.accept.probe_connector import probe_transfer_config
+        from vllm_draft_offload.bench.accept.probe_connector import (
+            CORRUPT_DRAFT,
+            CORRUPT_TARGET_WINDOW,
+            probe_transfer_config,
+        )
 
         kw["kv_transfer_config"] = probe_transfer_config(
-            report_path=str(probe_report) if probe_report else None, mode=cfg.corrupt_mode
+            report_path=str(probe_report) if probe_report else None,
+            mode=cfg.corrupt_mode,
+            layers=CORRUPT_TARGET_WINDOW if cfg.corrupt_target_window_kv else CORRUPT_DRAFT,
         )
     elif cfg.kv_transfer_config:
         kw["kv_transfer_config"] = cfg.kv_transfer_config
@@ -326,7 +332,8 @@ def write(result: AcceptCheckResult, path: Path) -> None:
 def main(cfg_path: str, result_path: str) -> int:
     cfg = RunConfig.model_validate_json(Path(cfg_path).read_text())
     out = Path(result_path)
-    probe_report = out.parent / "probe_report.json" if cfg.corrupt_draft_kv else None
+    probe = cfg.corrupt_draft_kv or cfg.corrupt_target_window_kv
+    probe_report = out.parent / "probe_report.json" if probe else None
     if on_cpu():
         prepare_cpu_platform()
     prompts = make_prompts(cfg)

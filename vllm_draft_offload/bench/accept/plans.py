@@ -41,7 +41,13 @@ def plan_restart() -> list[PhaseSpec]:
     ]
 
 
-def plan_phases(corrupt_draft_kv: bool, prefix_cache_hit: bool = False) -> list[PhaseSpec]:
+# The corrupt plans' phase with the corrupted KV: the drafter's, the target's windows.
+EXTENDED_CORRUPT, EXTENDED_CORRUPT_WINDOW = "extended_corrupt", "extended_corrupt_window"
+
+
+def plan_phases(
+    corrupt_draft_kv: bool, prefix_cache_hit: bool = False, corrupt_target_window: bool = False
+) -> list[PhaseSpec]:
     if prefix_cache_hit:
         # the same prompts again, no reset: all but their last block from the GPU
         # prefix cache (a connector adds nothing), against the fresh computation
@@ -49,13 +55,13 @@ def plan_phases(corrupt_draft_kv: bool, prefix_cache_hit: bool = False) -> list[
             PhaseSpec(name="fresh", prompts="base"),
             PhaseSpec(name="cached", prompts="base", reference="fresh"),
         ]
-    if corrupt_draft_kv:
+    if corrupt_draft_kv or corrupt_target_window:
         return [
             PhaseSpec(name="fresh", prompts="base"),
             PhaseSpec(name="extended", prompts="extended"),
             PhaseSpec(name="refill", prompts="base", reset_before=True, reference="fresh"),
             PhaseSpec(
-                name="extended_corrupt",
+                name=EXTENDED_CORRUPT_WINDOW if corrupt_target_window else EXTENDED_CORRUPT,
                 prompts="extended",
                 corrupt_draft_kv=True,
                 reference="extended",

@@ -11,18 +11,32 @@ Loaded by vLLM through ``kv_connector_module_path``::
 
 It never loads or stores anything.  For requests that opted in (sampling params
 ``extra_args={"kv_probe_corrupt_draft": True}``, or every request with
-``corrupt_draft: true``) it overwrites, before the drafter's first forward, the
-*draft layers'* KV of the blocks the request got from the prefix cache.  Target
-layers are never touched, so greedy outputs must stay identical while the
-acceptance length drops if the drafter really reads that KV.
+``corrupt_draft: true``) it overwrites, before the drafter's first forward, the KV
+of the blocks the request got from the prefix cache in the layers it corrupts:
+
+* ``corrupt_layers: "draft"`` (default): the *draft layers*.  Target layers are
+  never touched, so greedy outputs must stay identical while the acceptance
+  length drops if the drafter really reads that KV.
+* ``corrupt_layers: "target_window"``: the *target's sliding-window layers* (those
+  whose KV-cache group is a ``SlidingWindowSpec``), i.e. the in-window KV a restore
+  of a hybrid model must bring back.  Outputs (or acceptance) must change: the run
+  shows that a restore that left the window out would be caught.
 
 Scheduler side: ``build_connector_meta`` lists, per KV-cache group, the first
-``num_computed_tokens // block_size`` blocks of each opted-in new request.
-Worker side: ``register_kv_caches`` finds the draft layers through
+``num_computed_tokens // block_size`` blocks of each opted-in new request (less
+vLLM's null block, which a sliding-window group gets for the positions that left
+the window).  Worker side: ``register_kv_caches`` finds the draft layers through
 ``static_forward_context[name].is_draft_layer`` (set by vLLM's proposer when it
 loads the drafter); ``start_load_kv`` (which vLLM calls after the target forward
 and before the drafter runs, on both model runners) zeroes (or noises) those
-blocks in each draft layer.
+blocks in each corrupted layer.
+
+vLLM 0.33 lays the KV-cache groups of a hybrid model over one allocation, each from
+byte 0: layer *i* of one group has the same tensor (pointer, strides) as layer *i* of
+every other group.  The groups own disjoint block ids (one block pool), so writing a
+group's blocks through its layer's tensor touches none of the other groups' KV: such
+cross-group aliases are corruptible.  Only a layer sharing its tensor with a layer
+of the *same* group (a KV-sharing layer) cannot be corrupted alone, and is skipped.
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import group_kernel_blocks
+from vllm.v1.kv_cache_interface import SlidingWindowSpec, group_kernel_blocks
 
 from vllm_draft_offload.bench.speed.null_connector import NullConnector
 
@@ -51,6 +65,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 CORRUPT_ARG = "kv_probe_corrupt_draft"  # SamplingParams.extra_args key
+# which layers a probe corrupts (kv_connector_extra_config "corrupt_layers")
+CORRUPT_DRAFT, CORRUPT_TARGET_WINDOW = "draft", "target_window"
+NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block): never corrupted
 CONNECTOR_NAME = "KVProbeConnector"
 MODULE_NAME = "vllm_draft_offload.bench.accept.probe_connector"
 
@@ -71,16 +88,36 @@ def wants_corruption(req: NewRequestData, corrupt_all: bool) -> bool:
 
 
 def cached_blocks(req: NewRequestData, block_sizes: list[int]) -> dict[int, list[int]]:
-    """Per group, the blocks fully covered by the request's prefix-cache hit."""
-    return {
-        g: list(ids[: req.num_computed_tokens // block_sizes[g]])
+    """Per group, the blocks fully covered by the request's prefix-cache hit, less the
+    null block (a sliding-window group's positions that left the window)."""
+    blocks = {
+        g: [b for b in ids[: req.num_computed_tokens // block_sizes[g]] if b != NULL_BLOCK]
         for g, ids in enumerate(req.block_ids)
         if req.num_computed_tokens >= block_sizes[g]
     }
+    return {g: ids for g, ids in blocks.items() if ids}
+
+
+def shared_in_group(
+    kv_caches: dict[str, torch.Tensor], layer_group: dict[str, int], name: str, others: set[str]
+) -> str | None:
+    """A layer of `others` whose KV tensor is `name`'s (same pointer and strides) in the
+    same KV-cache group, or in none: writing `name`'s blocks would write its KV too.
+    The same tensor in another group is vLLM's cross-group aliasing (disjoint blocks)."""
+    tensor = kv_caches[name]
+    group = layer_group.get(name)
+    for other in sorted(others):
+        t = kv_caches[other]
+        if (t.data_ptr(), t.stride()) != (tensor.data_ptr(), tensor.stride()):
+            continue
+        if group is None or layer_group.get(other) in (None, group):
+            return other
+    return None
 
 
 class KVProbeConnector(NullConnector, SupportsHMA):
-    """Corrupts draft KV before the forward; every other hook does nothing (NullConnector)."""
+    """Corrupts draft (or the target's sliding-window) KV before the forward; every other
+    hook does nothing (NullConnector)."""
 
     def __init__(
         self,
@@ -94,6 +131,12 @@ class KVProbeConnector(NullConnector, SupportsHMA):
         self.mode = str(extra.get("corrupt_mode", "zero"))
         if self.mode not in ("zero", "noise"):
             raise ValueError(f"corrupt_mode must be zero|noise, got {self.mode!r}")
+        self.corrupt_layers = str(extra.get("corrupt_layers", CORRUPT_DRAFT))
+        if self.corrupt_layers not in (CORRUPT_DRAFT, CORRUPT_TARGET_WINDOW):
+            raise ValueError(
+                f"corrupt_layers must be {CORRUPT_DRAFT}|{CORRUPT_TARGET_WINDOW}, "
+                f"got {self.corrupt_layers!r}"
+            )
         self.report_path: str | None = extra.get("report_path")
         self._vllm_config = vllm_config
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
@@ -102,9 +145,14 @@ class KVProbeConnector(NullConnector, SupportsHMA):
         ]
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
         self.layer_group = {n: i for i, g in enumerate(groups) for n in g.layer_names}
+        self.window_groups = {
+            i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+        }
         # worker state
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.draft_layers: list[str] = []
+        self.target_window_layers: list[str] = []
+        self.corrupt_targets: list[str] = []  # the layers start_load_kv corrupts
         self.skipped_layers: dict[str, str] = {}
         self.corrupted: dict[str, int] = defaultdict(int)
         self.corrupted_requests: list[tuple[str, int]] = []
@@ -147,23 +195,28 @@ class KVProbeConnector(NullConnector, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         ctx = self._vllm_config.compilation_config.static_forward_context
-        target_ptrs = {
-            t.data_ptr()
-            for n, t in kv_caches.items()
-            if not getattr(ctx.get(n), "is_draft_layer", False)
-        }
-        for name, tensor in kv_caches.items():
-            if not getattr(ctx.get(name), "is_draft_layer", False):
-                continue
-            # a drafter sharing the target's KV tensor cannot be corrupted alone
-            if tensor.data_ptr() in target_ptrs:
-                self.skipped_layers[name] = "shares storage with a target layer"
+        # in kv_caches' order
+        draft = [n for n in kv_caches if getattr(ctx.get(n), "is_draft_layer", False)]
+        target = [n for n in kv_caches if n not in draft]
+        window = [n for n in target if self.layer_group.get(n) in self.window_groups]
+        self.target_window_layers = window
+        if self.corrupt_layers == CORRUPT_DRAFT:
+            candidates, others = draft, set(target)
+        else:
+            candidates, others = window, set(draft)
+        for name in candidates:
+            tensor = kv_caches[name]
+            shared = shared_in_group(kv_caches, self.layer_group, name, others)
+            # a layer sharing the other side's KV tensor cannot be corrupted alone
+            if shared is not None:
+                self.skipped_layers[name] = f"shares storage with {shared} in its group"
             elif self.num_blocks and tensor.shape[0] % self.num_blocks:
                 self.skipped_layers[name] = (
                     f"dim0 {tensor.shape[0]} not a multiple of {self.num_blocks}"
                 )
             else:
-                self.draft_layers.append(name)
+                self.corrupt_targets.append(name)
+        self.draft_layers = [n for n in draft if n not in self.skipped_layers]
         self._write_report()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -171,7 +224,7 @@ class KVProbeConnector(NullConnector, SupportsHMA):
         assert isinstance(meta, ProbeMetadata)
         if not meta.corrupt_blocks:
             return
-        for name in self.draft_layers:
+        for name in self.corrupt_targets:
             ids = meta.corrupt_blocks.get(self.layer_group.get(name, 0))
             if ids:
                 self._corrupt(name, ids)
@@ -193,6 +246,7 @@ class KVProbeConnector(NullConnector, SupportsHMA):
         ctx = self._vllm_config.compilation_config.static_forward_context
         return {
             "mode": self.mode,
+            "corrupt_layers": self.corrupt_layers,
             "num_blocks": self.num_blocks,
             "layers": {
                 n: {
@@ -203,6 +257,8 @@ class KVProbeConnector(NullConnector, SupportsHMA):
                 for n, t in self.kv_caches.items()
             },
             "draft_layers": self.draft_layers,
+            "target_window_layers": self.target_window_layers,
+            "corrupt_targets": self.corrupt_targets,
             "skipped_layers": self.skipped_layers,
             "corrupted_blocks": dict(self.corrupted),
             "corrupted_requests": self.corrupted_requests,
@@ -218,10 +274,15 @@ class KVProbeConnector(NullConnector, SupportsHMA):
 
 
 def probe_transfer_config(
-    corrupt_all: bool = False, report_path: str | None = None, mode: str = "zero"
+    corrupt_all: bool = False,
+    report_path: str | None = None,
+    mode: str = "zero",
+    layers: str = CORRUPT_DRAFT,
 ) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict that loads this connector (by its module path)."""
     extra: dict[str, Any] = {"corrupt_draft": corrupt_all, "corrupt_mode": mode}
+    if layers != CORRUPT_DRAFT:
+        extra["corrupt_layers"] = layers
     if report_path:
         extra["report_path"] = report_path
     return {

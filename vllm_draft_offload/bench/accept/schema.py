@@ -17,7 +17,9 @@ class PhaseSpec(BaseModel):
     name: str
     prompts: Literal["base", "extended"]
     reset_before: bool = False  # llm.reset_prefix_cache() before the phase
-    corrupt_draft_kv: bool = False  # requests ask the probe connector to corrupt draft KV
+    # requests ask the probe connector to corrupt their cached KV: the draft layers', or
+    # with RunConfig.corrupt_target_window_kv the target's sliding-window layers'
+    corrupt_draft_kv: bool = False
     reference: str | None = None  # phase whose outputs / acceptance this one is compared to
     # divergent plan: the token at RunConfig.divergence_boundary + diverge_at is replaced
     diverge_at: int | None = None
@@ -93,9 +95,12 @@ class Summary(BaseModel):
     comparisons: list[Comparison] = Field(default_factory=list)
     # restored / fresh (default plan); restored_storage / fresh (restart plan)
     acceptance_ratio: float | None = None
-    corruption_ratio: float | None = None  # extended_corrupt / extended (corrupt plan)
+    # extended_corrupt (or extended_corrupt_window) / extended (corrupt plans)
+    corruption_ratio: float | None = None
     corruption_drop: float | None = None  # 1 - corruption_ratio
-    sensitivity_pass: bool | None = None  # corruption_drop >= SENSITIVITY_MIN_DROP
+    # draft KV: corruption_drop >= SENSITIVITY_MIN_DROP; the target's sliding-window
+    # KV: some output changed, or |corruption_drop| >= SENSITIVITY_MIN_DROP
+    sensitivity_pass: bool | None = None
     all_outputs_match: bool | None = None
     hits_as_expected: bool | None = None  # divergent plan: every request's hit as expected
     storage_reads: StorageReads | None = None  # restart plan: the restarted engine's hits
@@ -152,6 +157,8 @@ class RunConfig(BaseModel):
     speculative_config: dict[str, Any] | None = None
     kv_transfer_config: dict[str, Any] | None = None
     corrupt_draft_kv: bool = False
+    # the corrupt plan on the target's sliding-window layers instead of the draft's
+    corrupt_target_window_kv: bool = False
     corrupt_mode: Literal["zero", "noise"] = "zero"
     prompt_tokens: int = 384
     num_prompts: int = 4

@@ -1,7 +1,8 @@
 """Baseline tables from acceptance runs (``scripts/gpu/accept_runs.sh`` output).
 
 Reads every ``accept_<drafter>-<connector>.json`` (an :class:`AcceptCheckResult`) in DIR
-and prints markdown: table A, KV sensitivity (the ``corrupt`` runs), and table B,
+and prints markdown: table A, KV sensitivity (the ``corrupt`` runs; the
+``corrupt_window`` runs, the target's sliding-window KV zeroed, when there are any), and table B,
 restored/fresh acceptance per drafter and connector (``ours_l3``: the
 ``--restart-from-storage`` runs).
 """
@@ -13,7 +14,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_draft_offload.bench.accept.plans import RESTORED_STORAGE
+from vllm_draft_offload.bench.accept.plans import (
+    EXTENDED_CORRUPT,
+    EXTENDED_CORRUPT_WINDOW,
+    RESTORED_STORAGE,
+)
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Comparison
 from vllm_draft_offload.bench.options import command_parser
 
@@ -37,6 +42,8 @@ CONNECTORS = {
     "native": "native (OffloadingConnector)",
     "lmcache": "lmcache (LMCacheConnectorV1)",
 }
+# runs of the sensitivity tables (not connectors): run name -> the corrupted phase
+SENSITIVITY_RUNS = {"corrupt": EXTENDED_CORRUPT, "corrupt_window": EXTENDED_CORRUPT_WINDOW}
 MISSING = "–"
 LEGEND_B = (
     "Cell: ratio (AL restored / AL fresh), outputs equal to fresh, "
@@ -81,14 +88,16 @@ def _f(value: float | None, fmt: str = ".2f") -> str:
     return MISSING if value is None else format(value, fmt)
 
 
-def sensitivity_row(drafter: str, result: AcceptCheckResult | None) -> list[str]:
+def sensitivity_row(
+    drafter: str, result: AcceptCheckResult | None, phase: str = EXTENDED_CORRUPT
+) -> list[str]:
     """drafter, AL intact, AL corrupted, drop, pass, outputs equal."""
     label = DRAFTERS.get(drafter, drafter)
     if result is None:
         return [label] + [MISSING] * 5
     if result.error:
         return [label, "crash: " + crash_cause(result.error)] + [MISSING] * 4
-    c = comparison(result, "extended_corrupt")
+    c = comparison(result, phase)
     if c is None:
         return [label] + [MISSING] * 5
     s = result.summary
@@ -158,12 +167,23 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def render(results: Results) -> str:
     drafters = _ordered({d for d, _ in results}, DRAFTERS)
     # the known connectors always get a column (missing runs show as "–")
-    connectors = _ordered({c for _, c in results if c != "corrupt"} | CONNECTORS.keys(), CONNECTORS)
+    found = {c for _, c in results if c not in SENSITIVITY_RUNS}
+    connectors = _ordered(found | CONNECTORS.keys(), CONNECTORS)
     out = [env_line(results), "", "### A. Sensitivity (draft KV of the cached prefix zeroed)", ""]
     out += _table(
         ["drafter", "AL intact", "AL corrupted", "drop", "pass (≥ 30%)", "outputs equal"],
         [sensitivity_row(d, results.get((d, "corrupt"))) for d in drafters],
     )
+    if any(c == "corrupt_window" for _, c in results):
+        out += ["", "### A2. Sensitivity (target's sliding-window KV of the cached prefix zeroed)"]
+        out += ["", "Pass: some output changed, or acceptance moved by ≥ 30%.", ""]
+        out += _table(
+            ["drafter", "AL intact", "AL corrupted", "drop", "pass", "outputs equal"],
+            [
+                sensitivity_row(d, results.get((d, "corrupt_window")), EXTENDED_CORRUPT_WINDOW)
+                for d in drafters
+            ],
+        )
     out += ["", "### B. Restored/fresh acceptance", "", LEGEND_B, ""]
     out += _table(
         ["drafter"] + [CONNECTORS.get(c, c) for c in connectors],
