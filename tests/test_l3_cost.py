@@ -521,6 +521,29 @@ def test_measured_storage_that_stalls_costs_a_bounded_wait(
     eng.worker.shutdown()
 
 
+def test_a_long_recent_step_does_not_stretch_a_stalled_wait(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As above, right after a long prefill (H100, session 15: a hit behind a fresh
+    16k prompt waited 98 ms against a 33 ms allowance, at 1.31 x recompute). Past its
+    allowance a request may wait two steps more; a step is how often the scheduler
+    asks about it (a few ms here), not the engine's mean computing step."""
+    url = f"fs://{tmp_path / 'l3'}"
+    prompts = _filled_storage(model_dirs, url)
+    eng = _restarted(model_dirs, url, "cost", io_threads=8)
+    _serve(eng, "fast", prompts[0])
+    cost = eng.scheduler.connector.scheduler.l3.cost
+    cost.step_s = 1.0  # the engine's steps of late: long prefills
+    _prefill_while_reads_hang(eng, "stalled", prompts[1])
+    decision = eng.scheduler.connector.scheduler.l3.log.recent[-1]
+    assert decision.outcome == "declined:fetch_too_slow", decision.line()
+    grace = 2 * (cost.storage.unit_s + 0.1)  # two unit times and two short steps
+    assert decision.waited_s < (decision.allowance_s or 0.0) + grace, decision.line()
+    eng.run_until_done()
+    eng.worker.worker.l3.flush(10)
+    eng.worker.shutdown()
+
+
 def test_a_fetch_given_up_as_too_slow_cancels_the_reads_not_started(
     model_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -778,3 +801,35 @@ def test_one_decision_prices_every_chunk_count_with_one_estimate() -> None:
     # own fit's 0.36 s (which would let the request wait most of a recompute).
     allowance = model.wait_allowance_s(0, 64, 3)
     assert allowance < 0.05 * whole + 1.5 * three
+
+
+def test_a_request_waits_past_its_allowance_by_its_own_step_cadence() -> None:
+    """H100, session 15: a restart's hit right behind a fresh 16k prompt's storage
+    writes. Its lookup took 44 ms against a 33 ms allowance, then it waited for units
+    until 98 ms in all (1.31 x recompute). The grace past the allowance, "two steps
+    more", had used the engine's mean computing step, which the fresh prompt's 0.5 s
+    prefill had raised, while the waiting request was asked about every few ms."""
+    now = [0.0]
+    model = CostModel(
+        chunk_size=256, unit_bytes=SESSION13_UNIT_BYTES, parallel=8, clock=lambda: now[0]
+    )
+    session13_estimates(model)
+    model.storage.round_trip_s = 0.003
+    model.step_scheduled([(16384, 0)])
+    now[0] += 0.5
+    model.step_output()  # the fresh prompt's prefill: the engine's recent step time
+    assert model.step_s > 0.1
+    allowance = model.wait_allowance_s(0, 64, 0)
+    assert allowance == pytest.approx(0.022, abs=0.005)
+    waited = allowance + 0.012
+    args = dict(first_chunk=0, num_chunks=64, landed=0, coming=64)
+    # Without the request's own cadence, the lookup keeps waiting...
+    assert model.may_wait("lookup", waited, waited, **args)[0]
+    # ...asked every 2 ms, two round trips and steps past the allowance are over.
+    assert not model.may_wait("lookup", waited, waited, poll_s=0.002, **args)[0]
+    # A fetch stalled for longer than two unit times and polls: given up.
+    stalled = 2 * (SESSION13_UNIT_S + 0.002) + 0.001
+    assert model.may_wait("fetch", waited + stalled, stalled, **args)[0]
+    assert not model.may_wait("fetch", waited + stalled, stalled, poll_s=0.002, **args)[0]
+    # On pace, it still waits past the allowance.
+    assert model.may_wait("fetch", waited, 0.001, poll_s=0.002, **args)[0]

@@ -82,6 +82,9 @@ class L3RequestState:
     # Leading chunks landed so far, and when the fetch last made progress.
     landed: int = 0
     progress: float = field(default_factory=time.monotonic)
+    # When the scheduler last asked about it: the gap is the step cadence the request
+    # waits at (an answer reaches it only with a step), not the engine's mean step time.
+    polled: float = field(default_factory=time.monotonic)
     # When the (non-probe) fetch began, and its units landed since, in any order: the
     # pace it makes prices the rest of it. Reads on several threads land out of order,
     # so the leading count alone can stand still while the fetch is on pace (on an H100
@@ -308,6 +311,7 @@ class L3Prefetch:
         `always`: the lookup, then the fetches, each within l3.timeout_s; `cost`:
         CostModel.may_wait."""
         now = time.monotonic()
+        poll_s, state.polled = now - state.polled, now
         if landed > state.landed:
             state.landed, state.progress = landed, now
         if self.hit_policy != "cost":
@@ -320,6 +324,7 @@ class L3Prefetch:
             num_chunks=state.end_chunk - state.first_chunk,
             landed=landed,
             coming=state.decision.wanted - landed,
+            poll_s=poll_s,
             **self._fetch_pace(state, now),
         )
         return wait
