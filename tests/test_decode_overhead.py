@@ -44,6 +44,33 @@ def test_null_and_native_configs_name_their_connectors() -> None:
     assert native["kv_connector_extra_config"] == {"cpu_bytes_to_use": int(1.5 * 2**30)}
 
 
+def test_forced_store_configs_pin_the_copy_path_whatever_the_flag_says() -> None:
+    """store_dma / store_kernel are `store` with every copy on one path, so one run
+    compares them side by side; the connector's own config parser accepts them."""
+    from vllm_draft_offload.config import parse_config
+
+    store = dec.connector_config("store", 1.5, 128, copy_path="kernel")
+    assert store is not None
+    for config, path in (("store_dma", "memcpy"), ("store_kernel", "kernel")):
+        for flag in (None, "auto", "memcpy", "kernel"):
+            forced = dec.connector_config(config, 1.5, 128, copy_path=flag)
+            assert forced is not None
+            extra = forced["kv_connector_extra_config"]
+            assert extra == {**store["kv_connector_extra_config"], "copy_path": path}
+            assert parse_config(extra).copy_path == path
+    rates = {"none": [100.0], "store_dma": [98.0], "store_kernel": [80.0]}
+    report = {
+        "batch": 2, "prompt_tokens": 256, "decode_tokens": 64, "chunk_size": 128,
+        "configs": {
+            name: [{"reps": [{"decode_tok_s": v} for v in values]}]
+            for name, values in rates.items()
+        },
+    }  # fmt: skip
+    rep.summarize(report)
+    assert report["summary"]["store_dma_vs_none"] == pytest.approx(0.98)
+    assert report["summary"]["store_kernel_vs_none"] == pytest.approx(0.80)
+
+
 def test_prompts_are_new_to_every_batch_and_the_same_in_every_engine() -> None:
     batches = [dec.batch_prompts(rep, 4, 300) for rep in (-1, 0, 1)]
     firsts = {tuple(p[:16]) for batch in batches for p in batch}

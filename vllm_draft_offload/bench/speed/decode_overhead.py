@@ -19,7 +19,11 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
   vLLM's connector plumbing costs by itself (``null_vs_none``), so that ``idle`` over
   ``null`` is our connector's own per-step cost;
 * ``native``: vLLM's OffloadingConnector with the same CPU budget, storing every block
-  (the side-by-side for ``store``).
+  (the side-by-side for ``store``);
+* ``store_dma`` / ``store_kernel``: ``store`` with every copy on DMA (``copy_path``
+  memcpy) or on the page kernel (``kernel``), whatever ``--copy-path`` says: what
+  each path's stores cost decode, side by side (``store_dma_vs_none``,
+  ``store_kernel_vs_none``).
 
 ``--profile`` adds one batch per engine under ``torch.profiler`` (engine in the child's
 process): its wall time, the GPU's busy time (kernels and copies, summed), and the
@@ -78,7 +82,12 @@ EXAMPLES = """examples:
   vllm-draft-offload decode-overhead --shape small --rounds 2 --reps 2 --out /tmp/d.json
 """
 MODULE = "vllm_draft_offload.bench.speed.decode_overhead"
-CONFIGS = ("none", "idle", "store", "null", "native")
+CONFIGS = ("none", "idle", "store", "null", "native", "store_dma", "store_kernel")
+# `store` with its copies forced onto one path (copy_path memcpy or kernel), so one run
+# shows side by side what each path's stores cost decode (session 15, H100, 8B shape:
+# `store` under copy_path auto, which sends copies up to 256 KiB to the page kernel,
+# decoded at 0.89 x none where native's DMA stores cost nothing measurable).
+FORCED_COPY_PATH = {"store_dma": "memcpy", "store_kernel": "kernel"}
 STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
 LOADED_BYTES = "vllm:draft_offload_loaded_bytes_total"
 # The parent's settings a child engine needs, passed on as they are.
@@ -130,6 +139,7 @@ def connector_config(
     }
     if config == "idle":
         extra["min_store_tokens"] = max_request_tokens + 1
+    copy_path = FORCED_COPY_PATH.get(config, copy_path)
     if copy_path is not None:
         extra["copy_path"] = copy_path
     return {

@@ -73,6 +73,9 @@ def summarize(report: dict[str, Any]) -> None:
         "null_vs_none": _ratio(rates, "null", "none"),
         "idle_vs_null": _ratio(rates, "idle", "null"),
         "native_vs_none": _ratio(rates, "native", "none"),
+        # stores forced onto DMA or onto the page kernel (decode_overhead.FORCED_COPY_PATH)
+        "store_dma_vs_none": _ratio(rates, "store_dma", "none"),
+        "store_kernel_vs_none": _ratio(rates, "store_kernel", "none"),
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
     }
     store_reps = [rep for run in report["configs"].get("store", []) for rep in run.get("reps", [])]
