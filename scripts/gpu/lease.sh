@@ -12,6 +12,10 @@
 #             the no-connector prefix-cache hit control, corrupt, ours, ours_l3, diverge,
 #             native and LMCache for each MTP fixture; sliding windows: corrupt (draft KV)
 #             and corrupt_window (the target's window KV) for self-draft and eagle3 too)
+#   fx-long   build /root/fx-long: target, self-draft, eagle3 and glm-mtp with the 32k
+#             long-context stage (fixtures --long-context 32768; estimated 7 min)
+#   accept-long  32,000-token prompts on /root/fx-long: none, corrupt and ours for eagle3
+#             and glm-mtp, and ours_l3 (storage after a restart): /root/acc-long
 #   accept    the acceptance runs still missing (MTP, sliding windows, storage restart,
 #             32k prompts), JOBS=6 in the background: /root/acc-*
 #   serve     serve-bench (eagle3, with and without the connector): /root/serve
@@ -85,6 +89,9 @@ accept_cmd() {
             glm-mtp-ours:mtp:glm-mtp:ours)
   case ${1:-all} in
   mtp) echo "export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-mtp ${mtp[*]}"; return ;;
+  long) echo "export JOBS=4 ACCEPT_ARGS='--prompt-tokens 32000' ACCEPT_TIMEOUT=600
+    bash scripts/gpu/accept_runs.sh /root/fx-long /root/acc-long ${long[*]} ${long_mtp[*]} \
+      glm-mtp-ours_l3:mtp:glm-mtp:ours_l3 eagle3-ours_l3:eagle3:eagle3:ours_l3"; return ;;
   swa) echo "export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx-swa /root/acc-swa ${swa[*]}"; return ;;
   esac
   echo "export JOBS=6
@@ -150,6 +157,8 @@ declare -A CMD=(
   [accept]="$(accept_cmd)"
   [accept-mtp]="$(accept_cmd mtp)"
   [accept-swa]="$(accept_cmd swa)"
+  [fx-long]="bash scripts/gpu/fixtures.sh /root/fx-long --only eagle3,glm-mtp --long-context 32768"
+  [accept-long]="$(accept_cmd long)"
   [fx-mtp]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp"
   [fx-mtp-swa]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp \
       > $L/fx-mtp.log 2>&1 &
@@ -169,7 +178,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|accept|accept-mtp|accept-swa|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-long|accept|accept-mtp|accept-swa|accept-long|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -208,13 +217,13 @@ collect)
   : "${OUT:?collect writes into \$OUT}"
   C=/root/collect; rm -rf "$C"; mkdir -p "$C"
   cp "$L"/*.log "$C"/ 2>/dev/null
-  for d in fx fx-mtp fx-swa fx-hybrid; do
+  for d in fx fx-mtp fx-swa fx-long fx-hybrid; do
     [ -f "/root/$d/fixtures.json" ] && cp "/root/$d/fixtures.json" "$C/$d-index.json"
     for m in /root/$d/*/fixture_meta.json; do
       [ -f "$m" ] && cp "$m" "$C/$d-$(basename "$(dirname "$m")")-meta.json"
     done
   done
-  for d in acc-mtp acc-swa acc-l3 acc-32k acc-hybrid/r0 acc-hybrid/rnone; do
+  for d in acc-mtp acc-swa acc-l3 acc-32k acc-long acc-hybrid/r0 acc-hybrid/rnone; do
     [ -d "/root/$d" ] || continue
     vllm-draft-offload table "/root/$d" > "$C/${d//\//-}-table.md" 2>&1
     mkdir -p "$C/$d" && cp -r "/root/$d"/. "$C/$d"/
