@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.fixtures.attention_masks import ttt_mask
 from vllm_draft_offload.bench.fixtures.build import (
     ALL_FIXTURES,
     FIXTURES,
@@ -34,7 +35,6 @@ from vllm_draft_offload.bench.fixtures.models import (
     LlamaShape,
     TrainSchedule,
     eagle3_aux_layer_ids,
-    ttt_mask,
 )
 
 MAX_STEPS = 3

@@ -17,25 +17,25 @@ import pytest
 import torch
 
 from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench.fixtures.attention_masks import (
+    DENSE_TTT_MAX_LEN,
+    TttMask,
+    masked_sdpa,
+    ttt_mask,
+)
 from vllm_draft_offload.bench.fixtures.build import (
     INDEX_FILE,
     META_FILE,
     build_fixtures,
     parse_args,
-    resolve_long_stage,
 )
 from vllm_draft_offload.bench.fixtures.data import make_sequence
-from vllm_draft_offload.bench.fixtures.models import (
-    DENSE_TTT_MAX_LEN,
+from vllm_draft_offload.bench.fixtures.long_context import (
     LONG_STAGES,
-    PRESETS,
-    ROPE_THETA,
-    TttMask,
-    llama_config,
     long_context_preset,
-    masked_sdpa,
-    ttt_mask,
+    resolve_long_stage,
 )
+from vllm_draft_offload.bench.fixtures.models import PRESETS, ROPE_THETA, llama_config
 
 LONG = 512  # > the tiny preset's 128-token training length
 MAX_STEPS = 3
