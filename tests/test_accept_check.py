@@ -422,6 +422,83 @@ class CrashyConnector(KVProbeConnector):
 """
 
 
+STALE_READER = """
+import json, os
+import torch
+from vllm.v1.kv_cache_interface import group_kernel_blocks
+from vllm_draft_offload.bench.accept.probe_connector import (
+    KVProbeConnector, ProbeMetadata, cached_blocks,
+)
+
+class StaleReader(KVProbeConnector):
+    # A connector that leaves KV out: a prompt seen before is claimed as a hit (every
+    # whole block) and nothing is loaded. Instead of corrupting, the probe's hook
+    # records the largest value in the claimed blocks of every layer.
+    seen, claimed = set(), set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        key = tuple(request.prompt_token_ids)
+        if key not in StaleReader.seen:
+            StaleReader.seen.add(key)
+            return 0, False
+        StaleReader.claimed.add(request.request_id)
+        block = self._vllm_config.cache_config.block_size
+        return max(0, (request.num_tokens - 1) // block * block - num_computed_tokens), False
+
+    def build_connector_meta(self, scheduler_output):
+        meta = ProbeMetadata()
+        for req in scheduler_output.scheduled_new_reqs:
+            if req.req_id in StaleReader.claimed:
+                for g, ids in cached_blocks(req, self.block_sizes).items():
+                    meta.corrupt_blocks.setdefault(g, []).extend(ids)
+                meta.requests.append((req.req_id, req.num_computed_tokens))
+        return meta
+
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        self.corrupt_targets = list(kv_caches)
+
+    def _corrupt(self, name, block_ids):
+        cache = self.kv_caches[name]
+        view = group_kernel_blocks(cache, self.num_blocks) if self.num_blocks else cache
+        largest = float(view[torch.tensor(sorted(set(block_ids)))].abs().max())
+        with open(os.environ["STALE_READER_OUT"], "a") as out:
+            out.write(json.dumps({"layer": name, "max_abs": largest}) + "\\n")
+"""
+
+
+@pytest.mark.e2e
+def test_e2e_a_reset_leaves_no_stale_kv_for_a_connector_to_pass_on(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefix-cache reset only forgets which blocks hold what. With a cache just big
+    enough for the prompts, the restored phase gets the blocks the fresh phase wrote,
+    and a connector that claimed the prefix without loading it would pass on their
+    stale, right KV. The harness zeroes the whole KV cache after each reset, so such a
+    connector reads zeros in every layer."""
+    (tmp_path / "stale_reader.py").write_text(STALE_READER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    record = tmp_path / "stale.jsonl"
+    monkeypatch.setenv("STALE_READER_OUT", str(record))
+    kv = {
+        "kv_connector": "StaleReader",
+        "kv_connector_module_path": "stale_reader",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"corrupt_draft": True},
+    }
+    draft = ["--spec-method", "draft_model", "--draft", str(tiny / "self-draft")]
+    small = ["--llm-kwargs", json.dumps({"num_gpu_blocks_override": 24})]
+    rc, res = _run(tiny, tmp_path, *draft, *small, "--kv-transfer-config", json.dumps(kv))
+    assert rc == 0 and res.error is None, res.error
+    fresh, restored, _ = res.phases
+    assert fresh.kv_cache_zeroed_bytes is None and restored.kv_cache_zeroed_bytes
+    assert all(r.num_cached_tokens > 0 for r in restored.requests)  # the claimed prefix
+    reads = [json.loads(line) for line in record.read_text().splitlines()]
+    layers = {r["layer"] for r in reads}
+    assert any(name.startswith("draft_model.") for name in layers) and len(layers) > 2
+    assert all(r["max_abs"] == 0.0 for r in reads), reads
+
+
 @pytest.mark.e2e
 def test_e2e_engine_crash_is_recorded(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -55,6 +55,10 @@ class PhaseResult(BaseModel):
     # deltas of DraftOffloadConnector's counters over the phase, per label set
     # ("vllm:draft_offload_loaded_chunks{tier=l3}"); empty with other connectors
     connector_counters: dict[str, float] = Field(default_factory=dict)
+    # bytes of KV cache zeroed after the phase's prefix-cache reset (None: no reset,
+    # and left out of the JSON, as in results recorded before it existed): whatever of
+    # the prefix the phase reads came from a connector or was recomputed
+    kv_cache_zeroed_bytes: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class Comparison(BaseModel):
