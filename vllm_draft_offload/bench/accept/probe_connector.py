@@ -158,16 +158,7 @@ class KVProbeConnector(NullConnector, SupportsHMA):
         self.corrupted_requests: list[tuple[str, int]] = []
 
     # ------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: Any, num_external_tokens: int
-    ) -> None:
-        return None
-
+    # (no hit to match, nothing to allocate for: NullConnector's hooks)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ProbeMetadata:
         meta = ProbeMetadata()
         for req in scheduler_output.scheduled_new_reqs:
