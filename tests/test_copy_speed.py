@@ -31,6 +31,8 @@ def test_dry_run_reports_every_page_size_direction_and_path(tmp_path: Path) -> N
         for s in ("memcpy", "kernel", "auto")
     }
     assert all(r["bit_exact"] and r["GBps"] > 0 for r in rows)
+    # On CPU the copy alone is the wall time of the same call (no stream to hold).
+    assert all(r["device_GBps"] > 0 and r["host_enqueue_ms"] > 0 for r in rows)
     # Every page is its own copy (none of them merge), by the path its setting says.
     for r in rows:
         count = (1 << 20) // r["page_bytes"]
@@ -50,6 +52,13 @@ def test_dry_run_reports_every_page_size_direction_and_path(tmp_path: Path) -> N
     assert summary["all_bit_exact"] is True
     for direction in ("load", "store"):
         assert summary[direction]["goal_0.8_met"] is None  # says nothing off a GPU
+        device_worst = summary[direction]["kernel_device_min_vs_pinned_from_4KiB"]
+        assert device_worst == min(
+            r["device_vs_pinned_memcpy"]
+            for r in rows
+            if r["direction"] == direction and r["setting"] == "kernel"
+            and r["page_bytes"] >= 4096
+        )  # fmt: skip
         assert set(summary[direction]["vs_pinned_by_page"]) == {"2048", "8192", "65536"}
 
 
@@ -61,6 +70,23 @@ def test_auto_uses_the_shipped_table_without_both_forced_paths(tmp_path: Path) -
     report = json.loads(out.read_text())
     assert report["auto_rules_source"].startswith("table: NVIDIA H100")
     assert report["auto_rules"]["load"]["max_bytes"] == 256 * 1024
+
+
+def test_kernel_knobs_are_recorded_and_bad_ones_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "copy.json"
+    argv = ["copy-speed", "--dry-run-cpu", "--total-mib", "0.25", "--pages-kib", "4",
+            "--reps", "1", "--paths", "kernel", "--kernel-block-kib", "64",
+            "--kernel-warps", "8", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert (report["kernel_block_bytes"], report["kernel_warps"]) == (64 * 1024, 8)
+    assert all(r["bit_exact"] for r in report["rows"])
+    for flag, value in (("--kernel-block-kib", "24"), ("--kernel-warps", "3")):
+        with pytest.raises(SystemExit):
+            cli.main(["copy-speed", "--dry-run-cpu", flag, value, "--out", str(out)])
+        assert flag in capsys.readouterr().err
 
 
 def test_rules_are_written_only_from_a_gpu_run_of_both_paths(

@@ -78,17 +78,26 @@ def test_bad_kernel_settings_are_refused() -> None:
             PageKernel(tile)
     with pytest.raises(ValueError, match="programs"):
         PageKernel(2048, programs=0)
+    with pytest.raises(ValueError, match="block_bytes"):
+        PageKernel(2048, block_bytes=1024)
+    with pytest.raises(ValueError, match="block_bytes"):
+        PageKernel(2048, block_bytes=3 * 2048)
+    with pytest.raises(ValueError, match="warps"):
+        PageKernel(2048, warps=3)
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
+@pytest.mark.parametrize(
+    ("programs", "block_kib", "warps"), [(1, 16, 4), (3, 16, 4), (64, 16, 4), (3, 64, 8)]
+)
 @pytest.mark.parametrize("tile", [16, 2048, 16 * 1024])
 def test_every_stride_and_the_ragged_last_block_are_copied(
-    interpret: None, tile: int, programs: int
+    interpret: None, tile: int, programs: int, block_kib: int, warps: int
 ) -> None:
     """Fewer programs than blocks (each loops over several), a tile count that is no
-    multiple of the block's rows, copies of several tiles: all land, nothing else."""
+    multiple of the block's rows, copies of several tiles, any block and warp count
+    copy-speed can try: all land, nothing else."""
     rng = np.random.default_rng(tile + programs)
-    kernel = PageKernel(tile, programs)
+    kernel = PageKernel(tile, programs, block_kib * 1024, warps)
     sizes = rng.integers(1, 4, 23) * tile
     offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     src_buf = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)

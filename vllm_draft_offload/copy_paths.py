@@ -40,7 +40,9 @@ from vllm_draft_offload.config import CopyPath
 from vllm_draft_offload.copy_rules import DMA_ONLY, AutoRule, auto_rules, rule_source
 from vllm_draft_offload.metric_defs import Direction
 from vllm_draft_offload.page_kernel import (
+    BLOCK_BYTES,
     DEFAULT_PROGRAMS,
+    NUM_WARPS,
     PageKernel,
     kernel_can_move,
     tile_bytes,
@@ -157,13 +159,19 @@ class CopyEngine:
         on_device: bool,
         programs: int = DEFAULT_PROGRAMS,
         rules: Mapping[Direction, AutoRule] | None = None,
+        kernel_block_bytes: int = BLOCK_BYTES,
+        kernel_warps: int = NUM_WARPS,
     ) -> None:
         self.setting = setting
         self.on_device = on_device
         self.tile = tile_bytes(page_bytes)
         gpu = torch.cuda.get_device_name() if on_device and torch.cuda.is_available() else None
         self.rules, source = (dict(rules), "given") if rules is not None else _read_rules(gpu)
-        self.kernel = PageKernel(self.tile, programs) if self.tile is not None else None
+        self.kernel = (
+            PageKernel(self.tile, programs, kernel_block_bytes, kernel_warps)
+            if self.tile is not None
+            else None
+        )
         # The path batches actually take: the setting, unless the kernel cannot run.
         self.path: CopyPath = setting
         if setting != "memcpy":

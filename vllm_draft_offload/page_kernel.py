@@ -60,7 +60,8 @@ except ImportError:  # pragma: no cover - every supported install has Triton
 # Both ends of a kernel copy must be aligned to this: the vector width of an access.
 ALIGN_BYTES = 16
 MAX_TILE_BYTES = 16 * 1024
-# Bytes one program moves per iteration (ROWS tiles).
+# Bytes one program moves per iteration (ROWS tiles); copy-speed's --kernel-block-kib
+# and --kernel-warps try others.
 BLOCK_BYTES = 16 * 1024
 DEFAULT_PROGRAMS = 32
 NUM_WARPS = 4
@@ -163,14 +164,27 @@ def interpreting() -> bool:
 class PageKernel:
     """Launches the kernel for batches of descriptors that ``kernel_can_move``."""
 
-    def __init__(self, tile: int, programs: int = DEFAULT_PROGRAMS) -> None:
+    def __init__(
+        self,
+        tile: int,
+        programs: int = DEFAULT_PROGRAMS,
+        block_bytes: int = BLOCK_BYTES,
+        warps: int = NUM_WARPS,
+    ) -> None:
         if tile < ALIGN_BYTES or tile & (tile - 1) or tile > MAX_TILE_BYTES:
             raise ValueError(f"tile must be a power of two in 16..{MAX_TILE_BYTES}, got {tile}")
         if programs < 1:
             raise ValueError(f"programs must be at least 1, got {programs}")
+        if block_bytes < tile or block_bytes & (block_bytes - 1):
+            raise ValueError(
+                f"block_bytes must be a power of two of at least {tile}, got {block_bytes}"
+            )
+        if warps < 1 or warps & (warps - 1):
+            raise ValueError(f"warps must be a power of two, got {warps}")
         self.tile = tile
-        self.rows = max(1, BLOCK_BYTES // tile)
+        self.rows = block_bytes // tile
         self.programs = programs
+        self.warps = warps
 
     def grid(self, n_tiles: int) -> int:
         return max(1, min(self.programs, -(-n_tiles // self.rows)))
@@ -203,5 +217,5 @@ class PageKernel:
             n_tiles,
             TILE_WORDS=self.tile // WORD_BYTES,
             ROWS=self.rows,
-            num_warps=NUM_WARPS,
+            num_warps=self.warps,
         )

@@ -21,6 +21,13 @@ the derived entry under this GPU's name in the table ``auto`` reads at start
 (``vllm_draft_offload/copy_rules.json`` by default). ``--kernel-programs`` sets the
 kernel's grid (programs in flight).
 
+Each batch is timed twice per rep: as a hit meets it (the GPU waits while the host
+plans the split and the kernel's tile table: ``GBps``, ``vs_pinned_memcpy``,
+``host_enqueue_ms``) and the copy alone (the stream spins until the host has enqueued
+everything: ``device_GBps``, ``device_vs_pinned_memcpy``), so a shortfall is placed on
+the host or on the copy. ``--kernel-block-kib`` and ``--kernel-warps`` try other
+kernel shapes (``scripts/gpu/copy_sweep.sh`` sweeps them).
+
 ``summary.<direction>.auto_min_vs_pinned_from_4KiB`` is the issue's goal (>= 0.8);
 ``kernel_faster_up_to_bytes`` is the largest page size where the kernel beat DMA.
 ``--dry-run-cpu`` runs the same code on CPU tensors (the DMA share as memmove, the
@@ -49,7 +56,7 @@ from vllm_draft_offload.copy_rules import (
     write_rules,
 )
 from vllm_draft_offload.metric_defs import Direction
-from vllm_draft_offload.page_kernel import DEFAULT_PROGRAMS
+from vllm_draft_offload.page_kernel import BLOCK_BYTES, DEFAULT_PROGRAMS, NUM_WARPS
 from vllm_draft_offload.transfers import Descriptors, HostPool
 
 EXAMPLES = """examples:
@@ -62,6 +69,14 @@ EXAMPLES = """examples:
 SETTINGS = ("memcpy", "kernel", "auto")
 DIRECTIONS = ("load", "store")
 GOAL_FROM_BYTES = 4096
+# GPU clock cycles a held batch's stream spins before its first event (torch.cuda._sleep):
+# about 25 ms on an H100, longer than the host's planning of any batch measured here.
+HOLD_CYCLES = 50_000_000
+
+
+class HoldTooShort(RuntimeError):
+    """The GPU reached a held batch before the host had enqueued it: the device-only
+    time would include host time."""
 
 
 def pinned_memcpy_gbps(nbytes: int, to_device: bool, reps: int = 5) -> float:
@@ -124,20 +139,35 @@ class Rig:
     def close(self) -> None:
         self.pool.close()
 
-    def run(self, engine: CopyEngine, desc: Descriptors, direction: str) -> float:
-        """Seconds of one batch: GPU time between events on the side stream (host
-        enqueue included where the GPU waits for it), or wall time on CPU."""
+    def run(
+        self, engine: CopyEngine, desc: Descriptors, direction: str, hold: bool = False
+    ) -> tuple[float, float]:
+        """(seconds, host seconds) of one batch. Seconds: GPU time between events on
+        the side stream, or wall time on CPU. Without ``hold`` the GPU waits for the
+        host's planning (tile tables, splits), which then counts, as it does for a
+        hit. With ``hold`` the stream first spins long enough for the host to enqueue
+        the whole batch, so the events time the copy alone; a spin that ended before
+        the host was done is refused (``HoldTooShort``)."""
         if self.stream is None:
             start = time.perf_counter()
             engine.run(desc, direction, None)  # type: ignore[arg-type]
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            return seconds, seconds
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hold:
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(HOLD_CYCLES)
         begin.record(self.stream)
+        started = time.perf_counter()
         keepalive = engine.run(desc, direction, self.stream)  # type: ignore[arg-type]
+        host = time.perf_counter() - started
+        if hold and begin.query():
+            end.synchronize()
+            raise HoldTooShort(f"the GPU's hold ended before the host enqueued ({host:.4f} s)")
         end.record(self.stream)
         end.synchronize()
         del keepalive
-        return begin.elapsed_time(end) / 1000
+        return begin.elapsed_time(end) / 1000, host
 
     def bit_exact(
         self, engine: CopyEngine, desc: Descriptors, direction: str, blocks: np.ndarray, page: int
@@ -175,6 +205,8 @@ def measure(args: Any) -> dict[str, Any]:
         "total_bytes": total,
         "reps": args.reps,
         "kernel_programs": args.kernel_programs,
+        "kernel_block_bytes": args.kernel_block_kib * 1024,
+        "kernel_warps": args.kernel_warps,
         "pinned_memcpy_GBps": {
             "load": pinned_memcpy_gbps(total, True) if on_device else _host_memcpy_gbps(total, 3),
             "store": pinned_memcpy_gbps(total, False) if on_device else _host_memcpy_gbps(total, 3),
@@ -222,12 +254,16 @@ def measure_page(
         rig.on_device,
         programs=args.kernel_programs,
         rules=rules,
+        kernel_block_bytes=args.kernel_block_kib * 1024,
+        kernel_warps=args.kernel_warps,
     )
     for direction, desc in (("load", load), ("store", store)):
         plan = plan_copies(desc, direction, engine.path, engine.tile, engine.rules)  # type: ignore[arg-type]
         exact = rig.bit_exact(engine, desc, direction, blocks, page)
-        seconds = [rig.run(engine, desc, direction) for _ in range(args.reps)]
-        gbps = [desc.num_bytes / s / 1e9 for s in seconds]
+        timed = [rig.run(engine, desc, direction) for _ in range(args.reps)]
+        held = [rig.run(engine, desc, direction, hold=True)[0] for _ in range(args.reps)]
+        gbps = [desc.num_bytes / s / 1e9 for s, _ in timed]
+        device_gbps = max(desc.num_bytes / s / 1e9 for s in held)
         limit = report["pinned_memcpy_GBps"][direction]
         row = {
             "page_bytes": page,
@@ -239,6 +275,10 @@ def measure_page(
             "GBps": max(gbps),
             "GBps_median": statistics.median(gbps),
             "vs_pinned_memcpy": max(gbps) / limit,
+            # The copy alone, the host's planning enqueued before the GPU reached it.
+            "device_GBps": device_gbps,
+            "device_vs_pinned_memcpy": device_gbps / limit,
+            "host_enqueue_ms": 1e3 * statistics.median(host for _, host in timed),
             "bit_exact": exact,
         }
         report["rows"].append(row)
@@ -246,9 +286,20 @@ def measure_page(
             f"{page // 1024:>5} KiB {direction:5} {setting:6} -> "
             f"{row['kernel_copies']:>6} kernel {row['memcpy_copies']:>6} memcpy  "
             f"{row['GBps']:7.2f} GB/s  {row['vs_pinned_memcpy']:.2f} x pinned  "
-            f"exact={exact}",
+            f"(copy alone {row['device_vs_pinned_memcpy']:.2f} x, host "
+            f"{row['host_enqueue_ms']:.2f} ms)  exact={exact}",
             flush=True,
         )
+
+
+def _worst_from_goal(rows: list[dict[str, Any]], setting: str, key: str) -> float | None:
+    """The lowest ``key`` of ``setting``'s rows of pages from 4 KiB up, or None."""
+    ratios = [
+        row[key]
+        for row in rows
+        if row["setting"] == setting and row["page_bytes"] >= GOAL_FROM_BYTES
+    ]
+    return min(ratios) if ratios else None
 
 
 def summarize(report: dict[str, Any]) -> None:
@@ -261,11 +312,7 @@ def summarize(report: dict[str, Any]) -> None:
     for direction in DIRECTIONS:
         mine = [row for row in rows if row["direction"] == direction]
         by = {(row["setting"], row["page_bytes"]): row for row in mine}
-        auto = [
-            row["vs_pinned_memcpy"]
-            for row in mine
-            if row["setting"] == "auto" and row["page_bytes"] >= GOAL_FROM_BYTES
-        ]
+        auto = _worst_from_goal(mine, "auto", "vs_pinned_memcpy")
         faster = [
             page
             for (setting, page), row in by.items()
@@ -274,9 +321,16 @@ def summarize(report: dict[str, Any]) -> None:
             and row["GBps"] > by[("memcpy", page)]["GBps"]
         ]
         summary[direction] = {
-            "auto_min_vs_pinned_from_4KiB": min(auto) if auto else None,
+            "auto_min_vs_pinned_from_4KiB": auto,
             # Only a GPU run says anything about the goal.
-            "goal_0.8_met": bool(auto) and min(auto) >= 0.8 if report["on_device"] else None,
+            "goal_0.8_met": auto is not None and auto >= 0.8 if report["on_device"] else None,
+            # The same, the copies alone (host planning enqueued ahead): what planning costs.
+            "auto_device_min_vs_pinned_from_4KiB": _worst_from_goal(
+                mine, "auto", "device_vs_pinned_memcpy"
+            ),
+            "kernel_device_min_vs_pinned_from_4KiB": _worst_from_goal(
+                mine, "kernel", "device_vs_pinned_memcpy"
+            ),
             "kernel_faster_up_to_bytes": max(faster) if faster else None,
             "vs_pinned_by_page": {
                 str(page): {
@@ -295,7 +349,8 @@ def measured_by(args: Any, report: dict[str, Any]) -> str:
     """The table entry's provenance: when, which run, which kernel grid."""
     when = time.strftime("%Y-%m-%d")
     return (
-        f"copy-speed {when} (torch {report['torch']}, {args.kernel_programs} kernel programs, "
+        f"copy-speed {when} (torch {report['torch']}, {args.kernel_programs} kernel programs "
+        f"of {args.kernel_block_kib} KiB and {args.kernel_warps} warps, "
         f"{report['total_bytes'] >> 20} MiB batches, best of {args.reps}): {Path(args.out).name}"
     )
 
@@ -324,6 +379,18 @@ def main(argv: list[str] | None = None) -> None:
         help=f"the kernel's programs in flight (default {DEFAULT_PROGRAMS}, the connector's)",
     )
     parser.add_argument(
+        "--kernel-block-kib",
+        type=int,
+        default=BLOCK_BYTES // 1024,
+        help=f"KiB one kernel program moves per iteration (default {BLOCK_BYTES // 1024})",
+    )
+    parser.add_argument(
+        "--kernel-warps",
+        type=int,
+        default=NUM_WARPS,
+        help=f"warps per kernel program (default {NUM_WARPS})",
+    )
+    parser.add_argument(
         "--write-rules",
         nargs="?",
         const=str(RULES_FILE),
@@ -338,6 +405,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
     if args.kernel_programs < 1:
         parser.error("--kernel-programs: at least 1")
+    if args.kernel_block_kib < 16 or args.kernel_block_kib & (args.kernel_block_kib - 1):
+        parser.error("--kernel-block-kib: a power of two of at least 16")
+    if args.kernel_warps < 1 or args.kernel_warps & (args.kernel_warps - 1):
+        parser.error("--kernel-warps: a power of two")
     if args.write_rules and (args.dry_run_cpu or not {"memcpy", "kernel"} <= set(args.paths)):
         parser.error("--write-rules: needs a GPU run of both memcpy and kernel (not --dry-run-cpu)")
     report = measure(args)
