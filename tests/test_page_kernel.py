@@ -177,7 +177,7 @@ PAGE_PAIRS = [
 
 
 @pytest.mark.parametrize("pages", PAGE_PAIRS, ids=lambda p: f"{p[0] // 1024}k+{p[1] / 1024:g}k")
-@pytest.mark.parametrize("mode", ["interpret", "fallback", "auto", "memcpy"])
+@pytest.mark.parametrize("mode", ["interpret", "fallback", "auto", "memcpy", "pieces"])
 def test_round_trip_is_bit_exact(
     pages: tuple[int, int], mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -185,7 +185,11 @@ def test_round_trip_is_bit_exact(
     back into other scattered blocks: every byte lands where it belongs, nothing else
     is touched. ``interpret``: every copy the kernel can take runs in Triton's
     interpreter; ``fallback``: the same tile tables by memmove; ``auto``: the
-    measured split (kernel share in the interpreter); ``memcpy``: DMA only."""
+    measured split (kernel share in the interpreter); ``memcpy``: DMA only;
+    ``pieces``: ``auto`` planned and enqueued 5 descriptors at a time, so layers are
+    cut across groups."""
+    piece = 5 if mode == "pieces" else None
+    mode = "auto" if mode == "pieces" else mode
     setting = {"interpret": "kernel", "fallback": "kernel"}.get(mode, mode)
     monkeypatch.setenv("TRITON_INTERPRET", "0" if mode == "fallback" else "1")
     rng = np.random.default_rng(sum(pages))
@@ -208,6 +212,8 @@ def test_round_trip_is_bit_exact(
     page_bytes = [r.slot.page_bytes for r in rig.regions]
     engine = CopyEngine(setting, rig.pool, page_bytes, on_device=False, rules=RULES)  # type: ignore[arg-type]
     assert engine.path == setting
+    if piece is not None:
+        engine.piece_descriptors = piece
 
     store = Descriptors.concat(rig.layer_descriptors(slots, src_blocks, to_host=True))
     assert engine.run(store, "store", None) == []

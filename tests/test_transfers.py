@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_draft_offload.config import ConfigError, parse_config
-from vllm_draft_offload.copy_paths import CopyEngine, kernel_unavailable, plan_copies, plan_layers
+from vllm_draft_offload.copy_paths import (
+    CopyEngine,
+    kernel_unavailable,
+    pipeline_groups,
+    plan_copies,
+    plan_layers,
+)
 from vllm_draft_offload.copy_rules import (
     RULES_FILE,
     AutoRule,
@@ -355,3 +361,26 @@ def test_every_layer_at_once_refuses_what_each_layer_refuses(
         UnitCopies(regions, pool).unit([[0, 1, 2, 3], [0, 1]], [group0_blocks, [5, 6]], True)
     with pytest.raises(ValueError, match="host slot out of range"):
         UnitCopies(regions, pool).unit([[8, 9, 10, 11], [0, 1]], [[1, 2, 3, 4], [5, 6]], True)
+
+
+def _numbered(start: int, count: int) -> Descriptors:
+    ids = np.arange(start, start + count, dtype=np.int64)
+    return Descriptors(ids, ids + 1000, np.full(count, 16, dtype=np.int64))
+
+
+@pytest.mark.parametrize("piece", [1, 3, 4, 8, 100])
+def test_pipeline_groups_cover_every_descriptor_once_in_order(piece: int) -> None:
+    """Layers of 0, 5, 1, 9 and 2 descriptors: every one lands in exactly one group,
+    in order; no group holds more than ``piece`` unless one layer's piece alone does;
+    each layer's last piece is marked, an empty layer too (its event still comes)."""
+    sizes = [0, 5, 1, 9, 2]
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    layers = [_numbered(int(start), n) for start, n in zip(starts, sizes, strict=True)]
+    groups = pipeline_groups(layers, piece)
+    flat = [item for group in groups for item in group]
+    assert np.concatenate([d.src for _, d, _ in flat]).tolist() == list(range(sum(sizes)))
+    assert all(sum(len(d.sizes) for _, d, _ in group) <= piece for group in groups)
+    assert [layer for layer, _, last in flat if last] == list(range(len(sizes)))
+    assert [layer for layer, _, _ in flat] == sorted(layer for layer, _, _ in flat)
+    assert len(groups) >= -(-sum(sizes) // piece)
+    assert pipeline_groups([], piece) == []

@@ -21,9 +21,11 @@ copy-speed``): copies up to that size go to the kernel once a batch has enough o
 them to pay for a launch, the rest to DMA, both on the same stream. The decision
 is per descriptor, after merging adjacent pages.
 
-Loads of one step go as one launch for every layer (``run_layers``): the kernel's
-share of all layers first, then each layer's DMA share followed by that layer's
-event, so a layer whose pages all move by DMA is still waited for alone.
+Loads of one step go as few launches for every layer (``run_layers``): layers are
+planned and enqueued in groups of about ``PIECE_DESCRIPTORS`` copies, so the GPU copies
+one group while the host plans the next; in each group the kernel's share of its
+layers first, then each layer's DMA share, and after a layer's last group its event,
+so a layer whose pages all move by DMA is still waited for alone.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 # (cudaHostAlloc) can stall the device, so the tile tables' sizes up to this many
 # bytes (2**18 tiles) are allocated at start and cached for the copies.
 TABLE_CACHE_BYTES = 1 << 22
+# Descriptors planned and enqueued at a time (pipeline_groups).
+PIECE_DESCRIPTORS = 8192
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,7 @@ class CopyEngine:
     ) -> None:
         self.setting = setting
         self.on_device = on_device
+        self.piece_descriptors = PIECE_DESCRIPTORS
         self.tile = tile_bytes(page_bytes)
         gpu = torch.cuda.get_device_name() if on_device and torch.cuda.is_available() else None
         self.rules, source = (dict(rules), "given") if rules is not None else _read_rules(gpu)
@@ -225,8 +230,7 @@ class CopyEngine:
     ) -> list[torch.Tensor]:
         """Copy a batch: enqueued on ``stream`` (GPU), or done now (``None``: CPU).
         Returns the tensors to keep alive until the stream passes this point."""
-        plan = plan_copies(desc, direction, self.path, self.tile, self.rules)
-        return self._run([plan], stream, mark=False)[0]
+        return self._run([desc], direction, stream, mark=False)[0]
 
     def run_layers(
         self, descs: Sequence[Descriptors], direction: Direction, stream: torch.cuda.Stream | None
@@ -234,27 +238,60 @@ class CopyEngine:
         """Copy one batch per layer: the kernel's share of every layer in one launch,
         then each layer's DMA share. Returns the tensors to keep alive and, per layer,
         an event recorded once its bytes are in place (None on CPU: already done)."""
-        plans = plan_layers(descs, direction, self.path, self.tile, self.rules)
-        return self._run(plans, stream, mark=True)
+        return self._run(list(descs), direction, stream, mark=True)
 
     def _run(
-        self, plans: list[CopyPlan], stream: torch.cuda.Stream | None, mark: bool
+        self,
+        descs: list[Descriptors],
+        direction: Direction,
+        stream: torch.cuda.Stream | None,
+        mark: bool,
     ) -> tuple[list[torch.Tensor], list[torch.cuda.Event | None]]:
+        """Plan and enqueue ``descs`` group by group (``pipeline_groups``), so the GPU
+        copies one group while the host plans the next; per layer, an event after its
+        last group (when ``mark``)."""
         keepalive: list[torch.Tensor] = []
-        kernel_share = Descriptors.concat([plan.kernel for plan in plans])
-        if len(kernel_share.sizes):
-            assert self.kernel is not None
-            keepalive += self.kernel.copy(kernel_share, stream)
-        events: list[torch.cuda.Event | None] = []
-        for plan in plans:
-            if len(plan.memcpy.sizes):
-                if stream is None:
-                    run_descriptors_on_host(plan.memcpy)
-                else:
-                    keepalive += run_descriptors_on_stream(plan.memcpy, stream)
-            event = None
-            if mark and stream is not None:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(stream)
-            events.append(event)
+        events: list[torch.cuda.Event | None] = [None] * len(descs)
+        for group in pipeline_groups(descs, self.piece_descriptors):
+            plans = plan_layers(
+                [piece for _, piece, _ in group], direction, self.path, self.tile, self.rules
+            )
+            kernel_share = Descriptors.concat([plan.kernel for plan in plans])
+            if len(kernel_share.sizes):
+                assert self.kernel is not None
+                keepalive += self.kernel.copy(kernel_share, stream)
+            for (layer, _, last), plan in zip(group, plans, strict=True):
+                if len(plan.memcpy.sizes):
+                    if stream is None:
+                        run_descriptors_on_host(plan.memcpy)
+                    else:
+                        keepalive += run_descriptors_on_stream(plan.memcpy, stream)
+                if last and mark and stream is not None:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record(stream)
+                    events[layer] = event
         return keepalive, events
+
+
+def pipeline_groups(
+    descs: Sequence[Descriptors], piece: int
+) -> list[list[tuple[int, Descriptors, bool]]]:
+    """The layers' batches as groups of (layer, descriptors, the layer's last piece?),
+    in order: consecutive layers together until a group holds ``piece`` descriptors,
+    a layer of more cut into pieces of ``piece``. Planning a batch costs the host about
+    60 ns a descriptor (an H100 host, session 16: 4 ms for 65,536 pages of 4 KiB, while
+    the kernel moved them in 5.4 ms); planned and enqueued a group at a time, the GPU
+    starts on the first group while the host plans the rest."""
+    groups: list[list[tuple[int, Descriptors, bool]]] = [[]]
+    held = 0
+    for layer, desc in enumerate(descs):
+        count = len(desc.sizes)
+        starts = range(0, count, piece) if count else range(1)
+        for start in starts:
+            part = desc.slice(start, start + piece) if count > piece else desc
+            if held and held + len(part.sizes) > piece:
+                groups.append([])
+                held = 0
+            groups[-1].append((layer, part, start + piece >= count))
+            held += len(part.sizes)
+    return groups if groups[0] else []

@@ -88,6 +88,10 @@ class Descriptors:
         starts = np.flatnonzero(np.concatenate(([True], ~follows)))
         return Descriptors(self.src[starts], self.dst[starts], np.add.reduceat(self.sizes, starts))
 
+    def slice(self, start: int, stop: int) -> Descriptors:
+        """Descriptors ``start:stop``, in order (views, not copies)."""
+        return Descriptors(self.src[start:stop], self.dst[start:stop], self.sizes[start:stop])
+
     def select(self, mask: np.ndarray) -> Descriptors:
         """The descriptors where ``mask`` is true, in order."""
         return Descriptors(self.src[mask], self.dst[mask], self.sizes[mask])

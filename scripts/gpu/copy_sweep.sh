@@ -13,7 +13,7 @@ for v in "${variants[@]}"; do
   echo "== variant $v"
   vllm-draft-offload copy-speed --pages-kib 4,8,16,64 --paths kernel --reps 5 \
     --kernel-programs "$programs" --kernel-block-kib "$block" --kernel-warps "$warps" \
-    --out "$out/kernel_p${programs}_b${block}_w${warps}.json" 2>&1 | grep -E "KiB|Error|error"
+    --out "$out/kernel_p${programs}_b${block}_w${warps}.json" 2>&1 | grep -E "KiB|Error|error|Traceback|Exception"
 done
 echo "== default table"
-vllm-draft-offload copy-speed --reps 3 --out "$out/copy_speed.json" 2>&1 | grep -E "KiB|Error|error"
+vllm-draft-offload copy-speed --reps 3 --out "$out/copy_speed.json" 2>&1 | grep -E "KiB|Error|error|Traceback|Exception"

@@ -48,6 +48,8 @@
 #   copy-sweep  copy-speed of the page kernel's grid, bytes per iteration and warps on
 #             4-64 KiB pages (the copy alone and with host planning), then the default
 #             table (about 3 min, estimated): /root/copy
+#   copy-table  the same for the connector's kernel shape alone, then the default table
+#             (about 1.5 min, estimated): /root/copy-table
 #   l3-probe2  restore-speed, recompute and ours_l3, 2 reps, restarts warmed up with a
 #             full-length prompt (recompute's first request: the no-connector control)
 #   decode-prof  one profiled batch each of none/null/idle (torch.profiler: wall
@@ -151,6 +153,7 @@ declare -A CMD=(
       --configs none,store_dma,store_kernel,store --reps 4 --turn-prompts 0 --time-hooks --profile \
       --out /root/decode_paths_8b.json"
   [copy-sweep]="bash scripts/gpu/copy_sweep.sh /root/copy"
+  [copy-table]="bash scripts/gpu/copy_sweep.sh /root/copy-table 32:16:4"
   [l3-probe2]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
     --l3-dir /root/l3p2 --drop-caches --out /root/restore_speed_l3_probe2.json"
   [decode-prof]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle --reps 1 \
@@ -184,7 +187,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-long|accept|accept-mtp|accept-swa|accept-long|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-long|accept|accept-mtp|accept-swa|accept-long|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -241,7 +244,7 @@ collect)
       cp "/root/$d/pressure.json" "/root/$d/pressure.md" "$C/$d"/
   done
   cp /root/restore_speed_*.json /root/l3_stages.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
-  [ -d /root/copy ] && cp -r /root/copy "$C"/
+  for d in copy copy-table; do [ -d "/root/$d" ] && cp -r "/root/$d" "$C"/; done
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
   tar -czf /root/lease.tgz -C /root collect
   if [ "$(stat -c %s /root/lease.tgz)" -le $((15 << 20)) ]; then

@@ -36,6 +36,7 @@ kernel's share through its CPU fallback; no timing worth reading).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -69,14 +70,9 @@ EXAMPLES = """examples:
 SETTINGS = ("memcpy", "kernel", "auto")
 DIRECTIONS = ("load", "store")
 GOAL_FROM_BYTES = 4096
-# GPU clock cycles a held batch's stream spins before its first event (torch.cuda._sleep):
-# about 25 ms on an H100, longer than the host's planning of any batch measured here.
-HOLD_CYCLES = 50_000_000
-
-
-class HoldTooShort(RuntimeError):
-    """The GPU reached a held batch before the host had enqueued it: the device-only
-    time would include host time."""
+# A held batch's stream spins (torch.cuda._sleep) twice the host's slowest enqueue of
+# the same batch plus this, so the host is done before the GPU reaches the batch.
+HOLD_MARGIN_S = 0.005
 
 
 def pinned_memcpy_gbps(nbytes: int, to_device: bool, reps: int = 5) -> float:
@@ -140,34 +136,45 @@ class Rig:
         self.pool.close()
 
     def run(
-        self, engine: CopyEngine, desc: Descriptors, direction: str, hold: bool = False
-    ) -> tuple[float, float]:
+        self, engine: CopyEngine, desc: Descriptors, direction: str, hold_s: float = 0.0
+    ) -> tuple[float | None, float]:
         """(seconds, host seconds) of one batch. Seconds: GPU time between events on
-        the side stream, or wall time on CPU. Without ``hold`` the GPU waits for the
-        host's planning (tile tables, splits), which then counts, as it does for a
-        hit. With ``hold`` the stream first spins long enough for the host to enqueue
-        the whole batch, so the events time the copy alone; a spin that ended before
-        the host was done is refused (``HoldTooShort``)."""
+        the side stream, or wall time on CPU. Without a hold the GPU waits for the
+        host's planning (splits, tile tables), which then counts, as it does for a
+        hit. With ``hold_s`` the stream first spins that long, so the events time the
+        copy alone; seconds are None when the spin ended before the host had enqueued
+        the batch (the time would include the host's)."""
         if self.stream is None:
             start = time.perf_counter()
             engine.run(desc, direction, None)  # type: ignore[arg-type]
             seconds = time.perf_counter() - start
             return seconds, seconds
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if hold:
+        if hold_s > 0:
             with torch.cuda.stream(self.stream):
-                torch.cuda._sleep(HOLD_CYCLES)
+                torch.cuda._sleep(int(hold_s * self.spin_cycles_per_s()))
         begin.record(self.stream)
         started = time.perf_counter()
         keepalive = engine.run(desc, direction, self.stream)  # type: ignore[arg-type]
         host = time.perf_counter() - started
-        if hold and begin.query():
-            end.synchronize()
-            raise HoldTooShort(f"the GPU's hold ended before the host enqueued ({host:.4f} s)")
+        covered = hold_s <= 0 or not begin.query()
         end.record(self.stream)
         end.synchronize()
         del keepalive
-        return begin.elapsed_time(end) / 1000, host
+        return (begin.elapsed_time(end) / 1000 if covered else None), host
+
+    @functools.cache  # noqa: B019 - one rig per run
+    def spin_cycles_per_s(self) -> float:
+        """torch.cuda._sleep's cycles per second on this GPU, timed once."""
+        cycles = 20_000_000
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(cycles)  # warm-up
+            begin.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+        end.synchronize()
+        return cycles / (begin.elapsed_time(end) / 1000)
 
     def bit_exact(
         self, engine: CopyEngine, desc: Descriptors, direction: str, blocks: np.ndarray, page: int
@@ -261,9 +268,11 @@ def measure_page(
         plan = plan_copies(desc, direction, engine.path, engine.tile, engine.rules)  # type: ignore[arg-type]
         exact = rig.bit_exact(engine, desc, direction, blocks, page)
         timed = [rig.run(engine, desc, direction) for _ in range(args.reps)]
-        held = [rig.run(engine, desc, direction, hold=True)[0] for _ in range(args.reps)]
-        gbps = [desc.num_bytes / s / 1e9 for s, _ in timed]
-        device_gbps = max(desc.num_bytes / s / 1e9 for s in held)
+        hold_s = 2 * max(host for _, host in timed) + HOLD_MARGIN_S
+        held = [rig.run(engine, desc, direction, hold_s)[0] for _ in range(args.reps)]
+        gbps = [desc.num_bytes / s / 1e9 for s, _ in timed if s]
+        covered = [desc.num_bytes / s / 1e9 for s in held if s]
+        device_gbps = max(covered) if covered else None
         limit = report["pinned_memcpy_GBps"][direction]
         row = {
             "page_bytes": page,
@@ -277,7 +286,8 @@ def measure_page(
             "vs_pinned_memcpy": max(gbps) / limit,
             # The copy alone, the host's planning enqueued before the GPU reached it.
             "device_GBps": device_gbps,
-            "device_vs_pinned_memcpy": device_gbps / limit,
+            "device_vs_pinned_memcpy": device_gbps / limit if device_gbps else None,
+            "held_reps_covered": len(covered),
             "host_enqueue_ms": 1e3 * statistics.median(host for _, host in timed),
             "bit_exact": exact,
         }
@@ -286,7 +296,7 @@ def measure_page(
             f"{page // 1024:>5} KiB {direction:5} {setting:6} -> "
             f"{row['kernel_copies']:>6} kernel {row['memcpy_copies']:>6} memcpy  "
             f"{row['GBps']:7.2f} GB/s  {row['vs_pinned_memcpy']:.2f} x pinned  "
-            f"(copy alone {row['device_vs_pinned_memcpy']:.2f} x, host "
+            f"(copy alone {row['device_vs_pinned_memcpy'] or 0:.2f} x, host "
             f"{row['host_enqueue_ms']:.2f} ms)  exact={exact}",
             flush=True,
         )
@@ -297,7 +307,9 @@ def _worst_from_goal(rows: list[dict[str, Any]], setting: str, key: str) -> floa
     ratios = [
         row[key]
         for row in rows
-        if row["setting"] == setting and row["page_bytes"] >= GOAL_FROM_BYTES
+        if row["setting"] == setting
+        and row["page_bytes"] >= GOAL_FROM_BYTES
+        and row[key] is not None
     ]
     return min(ratios) if ratios else None
 
