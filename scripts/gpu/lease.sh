@@ -48,6 +48,8 @@
 #   copy-sweep  copy-speed of the page kernel's grid, bytes per iteration and warps on
 #             4-64 KiB pages (the copy alone and with host planning), then the default
 #             table (about 3 min, estimated): /root/copy
+#   speed-table  restore-speed at the small and 8B shapes: recompute, native and ours,
+#             3 reps (issue 13's one speed table; about 8 min, estimated)
 #   copy-table  the same for the connector's kernel shape alone, then the default table
 #             (about 1.5 min, estimated): /root/copy-table
 #   l3-probe2  restore-speed, recompute and ours_l3, 2 reps, restarts warmed up with a
@@ -153,6 +155,8 @@ declare -A CMD=(
       --configs none,store_dma,store_kernel,store --reps 4 --turn-prompts 0 --time-hooks --profile \
       --out /root/decode_paths_8b.json"
   [copy-sweep]="bash scripts/gpu/copy_sweep.sh /root/copy"
+  [speed-table]="vllm-draft-offload restore-speed --enforce-eager --shape small,llama8b \
+    --configs recompute,native,ours --reps 3 --out /root/restore_speed_table.json"
   [copy-table]="bash scripts/gpu/copy_sweep.sh /root/copy-table 32:16:4"
   [l3-probe2]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
     --l3-dir /root/l3p2 --drop-caches --out /root/restore_speed_l3_probe2.json"
@@ -187,7 +191,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-long|accept|accept-mtp|accept-swa|accept-long|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-long|accept|accept-mtp|accept-swa|accept-long|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
