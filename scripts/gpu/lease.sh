@@ -13,7 +13,7 @@
 #             native and LMCache for each MTP fixture; sliding windows: corrupt (draft KV)
 #             and corrupt_window (the target's window KV) for self-draft and eagle3 too)
 #   fx-long   build /root/fx-long: target, self-draft, eagle3 and glm-mtp with the 32k
-#             long-context stage (fixtures --long-context 32768; estimated 7 min)
+#             long-context stage (fixtures --long-context 32768; H100: 283 s)
 #   accept-long  32,000-token prompts on /root/fx-long: none, corrupt and ours for eagle3
 #             and glm-mtp, and ours_l3 (storage after a restart): /root/acc-long
 #   accept    the acceptance runs still missing (MTP, sliding windows, storage restart,
