@@ -186,8 +186,8 @@ def test_round_trip_is_bit_exact(
     is touched. ``interpret``: every copy the kernel can take runs in Triton's
     interpreter; ``fallback``: the same tile tables by memmove; ``auto``: the
     measured split (kernel share in the interpreter); ``memcpy``: DMA only;
-    ``pieces``: ``auto`` planned and enqueued 5 descriptors at a time, so layers are
-    cut across groups."""
+    ``pieces``: ``auto`` planned and enqueued in groups of 2, 4, then 5 descriptors, so
+    layers are cut across groups."""
     piece = 5 if mode == "pieces" else None
     mode = "auto" if mode == "pieces" else mode
     setting = {"interpret": "kernel", "fallback": "kernel"}.get(mode, mode)
@@ -213,7 +213,7 @@ def test_round_trip_is_bit_exact(
     engine = CopyEngine(setting, rig.pool, page_bytes, on_device=False, rules=RULES)  # type: ignore[arg-type]
     assert engine.path == setting
     if piece is not None:
-        engine.piece_descriptors = piece
+        engine.piece_descriptors, engine.first_piece_descriptors = piece, 2
 
     store = Descriptors.concat(rig.layer_descriptors(slots, src_blocks, to_host=True))
     assert engine.run(store, "store", None) == []

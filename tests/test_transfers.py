@@ -368,19 +368,25 @@ def _numbered(start: int, count: int) -> Descriptors:
     return Descriptors(ids, ids + 1000, np.full(count, 16, dtype=np.int64))
 
 
+@pytest.mark.parametrize("first", [1, 2, 512])
 @pytest.mark.parametrize("piece", [1, 3, 4, 8, 100])
-def test_pipeline_groups_cover_every_descriptor_once_in_order(piece: int) -> None:
+def test_pipeline_groups_cover_every_descriptor_once_in_order(piece: int, first: int) -> None:
     """Layers of 0, 5, 1, 9 and 2 descriptors: every one lands in exactly one group,
-    in order; no group holds more than ``piece`` unless one layer's piece alone does;
-    each layer's last piece is marked, an empty layer too (its event still comes)."""
+    in order; the first group holds at most ``first``, each next at most twice the one
+    before and never more than ``piece``, and every group but the last is full; each
+    layer's last piece is marked, an empty layer too (its event still comes)."""
     sizes = [0, 5, 1, 9, 2]
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     layers = [_numbered(int(start), n) for start, n in zip(starts, sizes, strict=True)]
-    groups = pipeline_groups(layers, piece)
+    groups = pipeline_groups(layers, piece, first)
     flat = [item for group in groups for item in group]
     assert np.concatenate([d.src for _, d, _ in flat]).tolist() == list(range(sum(sizes)))
-    assert all(sum(len(d.sizes) for _, d, _ in group) <= piece for group in groups)
+    held = [sum(len(d.sizes) for _, d, _ in group) for group in groups]
+    limit = min(first, piece)
+    for count in held[:-1]:
+        assert count == limit  # full: a group closes only when it holds its target
+        limit = min(2 * limit, piece)
+    assert held[-1] <= limit
     assert [layer for layer, _, last in flat if last] == list(range(len(sizes)))
     assert [layer for layer, _, _ in flat] == sorted(layer for layer, _, _ in flat)
-    assert len(groups) >= -(-sum(sizes) // piece)
-    assert pipeline_groups([], piece) == []
+    assert pipeline_groups([], piece, first) == []
