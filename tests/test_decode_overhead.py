@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -262,3 +264,54 @@ def test_time_hooks_counts_the_hooks_of_both_halves_only_while_on(
     assert all(ms >= 0 for ms in taken["ms"].values())
     assert taken["ms"]["worker.wait_for_save"] > 0  # it stored the prompt's chunks
     assert clock.take() == {"ms": {}, "calls": {}}
+
+
+def test_each_engine_is_written_out_before_the_next_one_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease can end mid-run: the output file holds every finished engine's result as
+    the next one starts. Each engine here is a real child process (a stand-in for the
+    engine, which cannot start fast enough for CI) that checks the file for the engines
+    before it, then writes its own result; a failed engine is recorded and the run goes
+    on."""
+    out = tmp_path / "d.json"
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, sys\n"
+        "out, child, index = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
+        "if index:\n"
+        "    seen = json.load(open(out))\n"
+        "    runs = [r for rs in seen['shapes']['small']['configs'].values() for r in rs]\n"
+        "    assert seen['complete'] is False and len(runs) == index, seen\n"
+        "if index == 1:\n"
+        "    sys.exit('engine died')\n"
+        "json.dump({'reps': [{'decode_tok_s': 100.0 + index}]}, open(child, 'w'))\n"
+    )
+    calls: list[str] = []
+
+    def child_command(args, config, target, draft, child_out):  # noqa: ANN001, ANN202
+        calls.append(config)
+        return [sys.executable, str(script), args.out, str(child_out), str(len(calls) - 1)]
+
+    monkeypatch.setattr(dec, "child_command", child_command)
+    monkeypatch.setattr(dec, "summarize", lambda report: report.setdefault("summary", {}))
+    monkeypatch.setattr(dec, "table_row", lambda name, report: {"shape": name})
+    args = dec.build_parser().parse_args(["--out", str(out), "--shape", "small", "--rounds", "2"])
+    args.configs = ["none", "store"]  # main() splits --configs
+    report = dec.run_shape(
+        args,
+        "small",
+        tmp_path / "work",
+        checkpoint=lambda partial: dec.write_out(out, {"small": partial}, complete=False),
+    )
+    assert calls == ["none", "store", "none", "store"]
+    written = json.loads(out.read_text())
+    assert written["complete"] is False and written["table"] == []
+    configs = written["shapes"]["small"]["configs"]
+    assert [r["reps"][0]["decode_tok_s"] for r in configs["none"]] == [100.0, 102.0]
+    assert "engine died" in configs["store"][0]["error"]
+    assert configs["store"][1]["reps"][0]["decode_tok_s"] == 103.0
+    assert dec.engine_line(configs["store"][0]) == "error: engine died"
+    assert dec.engine_line(configs["none"][1]) == "decode tok/s per batch [102]"
+    final = dec.write_out(out, {"small": report}, complete=True)
+    assert final["complete"] is True and final["table"] == [{"shape": "small"}]

@@ -25,6 +25,10 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
   each path's stores cost decode, side by side (``store_dma_vs_none``,
   ``store_kernel_vs_none``).
 
+The output file is rewritten after every engine (``complete`` false, no table, until
+the last has run), so a run cut short keeps the engines that finished; the log gives
+each engine's decode tokens/s per batch.
+
 ``--profile`` adds one batch per engine under ``torch.profiler`` (engine in the child's
 process): its wall time, the GPU's busy time (kernels and copies, summed), and the
 top operations by CPU and by GPU time, in ``profile``. A gap between two engines that
@@ -60,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -400,7 +405,14 @@ def child_command(
     return cmd
 
 
-def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]:
+def run_shape(
+    args: argparse.Namespace,
+    name: str,
+    work: Path,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every engine of one shape, one after another; ``checkpoint`` gets the report so
+    far after each engine (``main`` writes it out, so a run cut short keeps them)."""
     target_shape, draft_shape = SHAPES[name]
     max_len = args.prompt_tokens + args.decode_tokens + 2 * args.turn_decode_tokens + 128
     max_len += args.turn_user_tokens
@@ -431,9 +443,38 @@ def run_shape(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]
         else:
             run = json.loads(child_out.read_text())
         report["configs"][config].append(run)
-        print(name, config, json.dumps(run)[:400], flush=True)
+        print(name, config, engine_line(run), flush=True)
+        if checkpoint is not None:
+            checkpoint(report)
     summarize(report)
     return report
+
+
+def engine_line(run: dict[str, Any]) -> str:
+    """One engine's result for the log: decode tokens/s per batch, or its error."""
+    if "error" in run:
+        lines = run["error"].strip().splitlines()
+        return f"error: {lines[-1][:300]}" if lines else "error"
+    rates = [round(rep["decode_tok_s"]) for rep in run.get("reps", []) if "decode_tok_s" in rep]
+    return f"decode tok/s per batch {rates}"
+
+
+def write_out(path: Path, shapes: dict[str, Any], complete: bool) -> dict[str, Any]:
+    """The output file: every shape's report so far; ``complete`` False while engines
+    are still to run (no table then: a shape's summary comes after its last engine)."""
+    import torch
+    import vllm
+
+    out = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        "complete": complete,
+        "shapes": shapes,
+        "table": [table_row(name, report) for name, report in shapes.items()] if complete else [],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -508,20 +549,20 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')}: at least 0")
 
-    import torch
-    import vllm
-
     work = Path(tempfile.mkdtemp(prefix="decode-overhead-"))
-    reports = {name: run_shape(args, name, work / name) for name in shapes}
-    out = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-        "shapes": reports,
-        "table": [table_row(name, report) for name, report in reports.items()],
-    }
+    out_path = Path(args.out)
+    reports: dict[str, Any] = {}
+    for name in shapes:
+        reports[name] = run_shape(
+            args,
+            name,
+            work / name,
+            checkpoint=lambda partial, name=name: write_out(
+                out_path, {**reports, name: partial}, complete=False
+            ),
+        )
+    out = write_out(out_path, reports, complete=True)
     print(json.dumps(out["table"], indent=1), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
