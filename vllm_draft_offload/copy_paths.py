@@ -239,9 +239,10 @@ class CopyEngine:
     def run_layers(
         self, descs: Sequence[Descriptors], direction: Direction, stream: torch.cuda.Stream | None
     ) -> tuple[list[torch.Tensor], list[torch.cuda.Event | None]]:
-        """Copy one batch per layer: the kernel's share of every layer in one launch,
-        then each layer's DMA share. Returns the tensors to keep alive and, per layer,
-        an event recorded once its bytes are in place (None on CPU: already done)."""
+        """Copy one batch per layer, in the groups of ``pipeline_groups``: per group the
+        kernel's share of its layers in one launch, then each layer's DMA share. Returns
+        the tensors to keep alive and, per layer, an event recorded once its bytes are
+        in place (None on CPU: already done)."""
         return self._run(list(descs), direction, stream, mark=True)
 
     def _run(
