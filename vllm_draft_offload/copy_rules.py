@@ -28,8 +28,9 @@ DEFAULT_MIN_COUNT = 16
 
 @dataclass(frozen=True)
 class AutoRule:
-    """Copies of at most ``max_bytes`` go to the kernel, when the batch has at least
-    ``min_count`` of them; the rest, and every copy of a smaller batch, to DMA."""
+    """Copies of at most ``max_bytes`` go to the kernel, when the batch planned together
+    (a group of ``copy_paths.pipeline_groups``) has at least ``min_count`` of them; the
+    rest, and every copy of a smaller batch, to DMA."""
 
     max_bytes: int
     min_count: int
