@@ -12,8 +12,15 @@
 #             the no-connector prefix-cache hit control, corrupt, ours, ours_l3, diverge,
 #             native and LMCache for each MTP fixture; sliding windows: corrupt (draft KV)
 #             and corrupt_window (the target's window KV) for self-draft and eagle3 too)
+#   fx-all    build /root/fx, /root/fx-mtp and /root/fx-swa side by side and wait for all
+#             three (chainable; the log's fx-all-seconds line is every fixture's build time)
 #   fx-long   build /root/fx-long: target, self-draft, eagle3 and glm-mtp with the 32k
 #             long-context stage (fixtures --long-context 32768; H100: 283 s)
+#   fx-long-all  build /root/fx-long (eagle3, glm-mtp) and /root/fx-long2 (glm-mtp2,
+#             dsv3-mla-mtp), each with the 32k stage, side by side
+#   accept-long2  32,000-token prompts: native, LMCache and the prefix-cache control for
+#             eagle3 and glm-mtp; none, hit, corrupt, ours, ours_l3, native and LMCache for
+#             glm-mtp2 and dsv3-mla-mtp: /root/acc-long2
 #   accept-long  32,000-token prompts on /root/fx-long: none, corrupt and ours for eagle3
 #             and glm-mtp, and ours_l3 (storage after a restart): /root/acc-long
 #   accept    the acceptance runs still missing (MTP, sliding windows, storage restart,
@@ -96,6 +103,15 @@ accept_cmd() {
   long_mtp=(glm-mtp-none:mtp:glm-mtp:none glm-mtp-corrupt:mtp:glm-mtp:corrupt
             glm-mtp-ours:mtp:glm-mtp:ours)
   case ${1:-all} in
+  long2)
+    local l2=() f2=()
+    for f in eagle3:eagle3 glm-mtp:mtp; do
+      for c in hit native lmcache; do l2+=("${f%%:*}-$c:${f#*:}:${f%%:*}:$c"); done; done
+    for f in glm-mtp2 dsv3-mla-mtp; do
+      for c in none hit corrupt ours ours_l3 native lmcache; do f2+=("$f-$c:mtp:$f:$c"); done; done
+    echo "export JOBS=4 ACCEPT_ARGS='--prompt-tokens 32000' ACCEPT_TIMEOUT=600
+    bash scripts/gpu/accept_runs.sh /root/fx-long2 /root/acc-long2 ${f2[*]}
+    bash scripts/gpu/accept_runs.sh /root/fx-long /root/acc-long2 ${l2[*]}"; return ;;
   mtp) echo "export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-mtp ${mtp[*]}"; return ;;
   long) echo "export JOBS=4 ACCEPT_ARGS='--prompt-tokens 32000' ACCEPT_TIMEOUT=600
     bash scripts/gpu/accept_runs.sh /root/fx-long /root/acc-long ${long[*]} ${long_mtp[*]} \
@@ -172,6 +188,20 @@ declare -A CMD=(
   [accept-swa]="$(accept_cmd swa)"
   [fx-long]="bash scripts/gpu/fixtures.sh /root/fx-long --only eagle3,glm-mtp --long-context 32768"
   [accept-long]="$(accept_cmd long)"
+  [accept-long2]="$(accept_cmd long2)"
+  [fx-all]="start=\$(date +%s)
+    bash scripts/gpu/fixtures.sh /root/fx --only target > $L/fx.log 2>&1 &
+    bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp > $L/fx-mtp.log 2>&1 &
+    bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512 > $L/fx-swa.log 2>&1 &
+    wait; tail -n 3 $L/fx.log $L/fx-mtp.log $L/fx-swa.log
+    echo fx-all-seconds \$(( \$(date +%s) - start ))"
+  [fx-long-all]="start=\$(date +%s)
+    bash scripts/gpu/fixtures.sh /root/fx-long --only eagle3,glm-mtp --long-context 32768 \
+      > $L/fx-long1.log 2>&1 &
+    bash scripts/gpu/fixtures.sh /root/fx-long2 --only glm-mtp2,dsv3-mla-mtp --long-context 32768 \
+      > $L/fx-long2.log 2>&1 &
+    wait; tail -n 3 $L/fx-long1.log $L/fx-long2.log
+    echo fx-long-all-seconds \$(( \$(date +%s) - start ))"
   [fx-mtp]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp"
   [fx-mtp-swa]="bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp \
       > $L/fx-mtp.log 2>&1 &
@@ -191,7 +221,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-long|accept|accept-mtp|accept-swa|accept-long|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -230,13 +260,13 @@ collect)
   : "${OUT:?collect writes into \$OUT}"
   C=/root/collect; rm -rf "$C"; mkdir -p "$C"
   cp "$L"/*.log "$C"/ 2>/dev/null
-  for d in fx fx-mtp fx-swa fx-long fx-hybrid; do
+  for d in fx fx-mtp fx-swa fx-long fx-long2 fx-hybrid; do
     [ -f "/root/$d/fixtures.json" ] && cp "/root/$d/fixtures.json" "$C/$d-index.json"
     for m in /root/$d/*/fixture_meta.json; do
       [ -f "$m" ] && cp "$m" "$C/$d-$(basename "$(dirname "$m")")-meta.json"
     done
   done
-  for d in acc-mtp acc-swa acc-l3 acc-32k acc-long acc-hybrid/r0 acc-hybrid/rnone; do
+  for d in acc-mtp acc-swa acc-l3 acc-32k acc-long acc-long2 acc-hybrid/r0 acc-hybrid/rnone; do
     [ -d "/root/$d" ] || continue
     vllm-draft-offload table "/root/$d" > "$C/${d//\//-}-table.md" 2>&1
     mkdir -p "$C/$d" && cp -r "/root/$d"/. "$C/$d"/
