@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from vllm_draft_offload.l3_cost import StorageEstimate
+from vllm_draft_offload.l3_storage_estimate import StorageEstimate
 
 # Lookups kept after their request stopped waiting.
 MAX_LATE_LOOKUPS = 8

@@ -2,13 +2,8 @@
 
 Two estimators, fed by what the connector sees anyway:
 
-* `StorageEstimate`: seconds per unit fetch (a worker thread's read, decode and
-  copy into a host slot, as workers report it) and the lookup round trip. A
-  fetch of k units on `parallel` read threads takes about ceil(k / parallel)
-  unit times, and at least k times the pace (seconds per unit) that rounds of
-  units sent together made (l3_fetches.py; PROBE_UNITS or more): storage bound by
-  bandwidth reads units in parallel no faster than one after another.
-  Exponentially weighted, so it follows a backend that slows down or warms up.
+* `StorageEstimate` (l3_storage_estimate.py): seconds per unit fetch, the pace rounds
+  of fetches made (seconds per unit with many in flight), the lookup round trip.
 * `PrefillEstimate`: the engine's step time (from when a step was scheduled, or
   the previous step's output arrived if later, until its output arrives), fitted as
   t = a + b * tokens + c * attention, where attention = sum over the step's
@@ -23,11 +18,41 @@ Two estimators, fed by what the connector sees anyway:
 hit to load: the count that saves the most time, or none. The CPU tier is not
 involved: its hits are always taken. `CostModel.wait_allowance_s` is what a
 request may always wait on storage (l3_prefetch.py; all it gets while the storage
-is unmeasured): PROBE_WAIT_FRACTION of the estimated recompute of the chunks it
+is unmeasured): PROBE_WAIT_FRACTION of the estimated recompute R of the chunks it
 looks up, plus the estimated recompute of the leading chunks that have already
 landed (those it no longer has to compute). Admitted at any moment within that
 allowance, the request finishes no later than recomputing everything would plus
 that fraction, however slow the storage turns out to be.
+
+`CostModel.may_wait` also lets a request wait past its allowance (unless
+`l3.wait_past_allowance` is off), on what the estimates promise, in three bounded
+bets: a lookup for two round trips and two polls; a fetch before its first landing
+for FIRST_LANDING_FACTOR times the estimated first landing from its start, and only
+when that estimate is at most PROBE_WAIT_FRACTION * R; a fetch whose units land
+while the pace they make finishes it before recomputing what has not landed, and
+the next landing comes within two unit times and polls.
+
+Worst case, whatever the storage speed: a request that ends up recomputing after
+waiting loses at most
+
+    PROBE_WAIT_FRACTION * R                      (5 %: the allowance)
+  + one poll                                     (it is looked at once per engine step)
+  + max(0, 2 * (round trip + poll) - allowance)  (a lookup slower than the allowance)
+  + FIRST_LANDING_FACTOR * PROBE_WAIT_FRACTION * R + one poll
+                                                 (7.5 % and a step: the first-landing bet)
+
+beyond what landed chunks save, and, once units land, at most two unit times and
+polls after the storage stops keeping the pace it showed. A storage that answers
+its lookup within the allowance and whose first round the estimate prices beyond
+PROBE_WAIT_FRACTION * R (a cold disk priced from reads that landed together: the
+H100 cold restart, 45 ms a unit against a 29 ms allowance) gets no bet: it is given
+up within the allowance and one poll, at most 5 % of R and a step. The bet is what
+lets a warm hit whose lookup alone outlasted the allowance (behind another prompt's
+storage writes) still be taken; no rule that waits on an estimate can bound it
+tighter against storage that then turns out slower. The price of the bound: storage
+whose first round takes longer than PROBE_WAIT_FRACTION * R (high latency, or a
+bandwidth one round already fills) serves a hit only when it lands within the
+allowance, even where the whole fetch would beat recomputing.
 
 A restarted engine has timed no step yet. The prefill samples of an earlier
 engine of the same model and device (shared through storage, l3_calibration.py)
@@ -37,7 +62,6 @@ stand in as a prior until the engine has its own fit.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -45,98 +69,27 @@ from itertools import combinations
 
 import numpy as np
 
-# Placeholder until the first fetch is timed (never used for a decision: no
-# hit is taken before then): 5 ms per request plus 0.25 GB/s per read thread.
-PRIOR_LATENCY_S = 0.005
-PRIOR_BYTES_PER_S = 0.25e9
-# Weight of a new sample in the storage averages, and in the step duration.
-EWMA_ALPHA = 0.2
+from vllm_draft_offload.l3_storage_estimate import PROBE_UNITS, StorageEstimate
+
+__all__ = ["PROBE_UNITS", "CostModel", "PrefillEstimate", "StorageEstimate", "fit_steps"]
+
+# Weight of a new sample in the step duration.
 STEP_ALPHA = 0.3
 # A request waits on storage for at most this share of the estimated recompute of
 # the chunks it looks up (beyond what landed chunks save): worst case recompute + 5 %.
 PROBE_WAIT_FRACTION = 0.05
-# Units of the probe, the first fetch from storage an engine makes (its speed unknown).
-# It must be able to land within the wait allowance (5 % of the recompute): a round of
-# one unit per read thread shares the device's bandwidth, so all of its units land
-# together, after as many units' worth of reading (on an H100 host, 8 units of 37.7 MB
-# in 20-25 ms against a 22 ms allowance: no restarted engine's first request ever took
-# a storage hit, sessions 9-11). Two units land in about a quarter of that, and still
-# show whether reads in flight share a bandwidth (a disk reading one at a time takes
-# twice as long for them as for one).
-PROBE_UNITS = 2
-# A round smaller than the read threads was served one read after another when its last
-# unit landed this many times later than its first (two reads at once on a disk that
-# one read saturates: 2 x).
-SERIAL_RATIO = 1.5
-# Storage estimates older than this are refreshed by a probe fetch.
-REPROBE_S = 30.0
 # Step samples kept for the prefill fit, and the fewest that make a fit.
 WINDOW = 256
 MIN_SAMPLES = 4
 REFIT_EVERY = 8
 # A step counts as a prefill sample when it computes at least this many tokens.
 MIN_PREFILL_TOKENS = 16
-
-
-class StorageEstimate:
-    def __init__(self, unit_bytes: int, parallel: int) -> None:
-        self.parallel = max(1, parallel)
-        self.unit_s = PRIOR_LATENCY_S + unit_bytes / PRIOR_BYTES_PER_S
-        self.round_trip_s = PRIOR_LATENCY_S
-        # Seconds per unit landed while many were fetched at once (0: not measured).
-        # Storage bounded by bandwidth (a disk) does not read `parallel` units in one
-        # unit's time: this is what a long fetch really costs per unit.
-        self.pace_s = 0.0
-        self.samples = 0
-        self.last_sample = -math.inf
-        self._lock = threading.Lock()
-
-    def observe_fetch(self, seconds: float) -> None:
-        with self._lock:
-            # The first sample replaces the prior outright: it is a guess, this is data.
-            alpha = 1.0 if self.samples == 0 else EWMA_ALPHA
-            self.unit_s += alpha * (seconds - self.unit_s)
-            self.samples += 1
-            self.last_sample = time.monotonic()
-
-    def observe_round_trip(self, seconds: float) -> None:
-        with self._lock:
-            self.round_trip_s += EWMA_ALPHA * (seconds - self.round_trip_s)
-
-    def observe_pace(self, seconds_per_unit: float, units: int = 1) -> None:
-        """`units` landed at this pace: weighed as that many samples, so one round
-        (every read thread's unit) moves the average as far as its units' own times
-        move unit_s, and a storage that warmed up is believed after a round or two."""
-        with self._lock:
-            alpha = 1.0 if self.pace_s == 0.0 else 1.0 - (1.0 - EWMA_ALPHA) ** units
-            self.pace_s += alpha * (seconds_per_unit - self.pace_s)
-
-    def times_round(self, units: int) -> bool:
-        """Can a round of `units` fetches sent together time the storage's pace? A
-        single unit says nothing about reads in flight together."""
-        return units >= min(PROBE_UNITS, self.parallel)
-
-    def round_pace(self, units: int, fastest_s: float, slowest_s: float) -> float | None:
-        """Seconds per unit that a round of `units` (its units landing `fastest_s` to
-        `slowest_s` after they were queued) says the storage sustains, or None when it
-        says nothing. A round of `parallel` or more units: its time over its size. A
-        smaller one (the probe) only when its reads were served one after another (the
-        last landed SERIAL_RATIO times later than the first: a disk whose bandwidth one
-        read takes); units that landed together say only that the storage reads that
-        many at once, and their time over their number would price a storage that reads
-        `parallel` at once several times too high (on an H100 host: 62 warm units priced
-        at 0.47 s, above recompute, where they took 0.17-0.27 s)."""
-        if units >= self.parallel or (
-            units >= PROBE_UNITS and slowest_s >= SERIAL_RATIO * fastest_s
-        ):
-            return slowest_s / units
-        return None
-
-    def load_s(self, units: int) -> float:
-        return max(math.ceil(units / self.parallel) * self.unit_s, units * self.pace_s)
-
-    def stale(self) -> bool:
-        return self.samples == 0 or time.monotonic() - self.last_sample > REPROBE_S
+# Past its allowance, before any unit of its fetch landed, a request waits for the
+# first landing up to this many times its estimated time from the fetch's start
+# (StorageEstimate.first_landing_s), and only when that estimate is within
+# PROBE_WAIT_FRACTION of the recompute: a bet bounded like the allowance. On an H100 a
+# warm round of 8 units of 37.7 MB, estimated at 19 ms, landed 20-25 ms after its start.
+FIRST_LANDING_FACTOR = 1.5
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -446,23 +399,33 @@ class CostModel:
     ) -> tuple[bool, float]:
         """May a request keep waiting on storage? (yes or no, its allowance)
 
-        It waited `waited_s` in all, `stalled_s` since its fetch last progressed, for
-        chunks [first_chunk, first_chunk + num_chunks): `landed` leading ones are in,
-        `coming` more are being fetched. Always within wait_allowance_s, the bound on
-        the worst case. While the storage is unmeasured (a `probe`) nothing more. Once
-        it is measured, and unless `wait_past_allowance` is off, also while the lookup
-        is within two round trips, or while the fetch keeps the measured pace (progress
-        within two unit times) and finishing it at that pace beats recomputing what has
-        not landed; both give two engine steps more, as an answer reaches the
-        scheduler only with a step.
+        It waited `waited_s` in all, `stalled_s` since its fetch last progressed (its
+        start, before any unit landed), for chunks [first_chunk, first_chunk +
+        num_chunks): `landed` leading ones are in, `coming` more are being fetched.
+        Always within wait_allowance_s. While the storage is unmeasured (a `probe`)
+        nothing more. Once it is measured, and unless `wait_past_allowance` is off,
+        also (the bets the module docstring bounds):
+        * a lookup within two round trips and two steps (an answer reaches the
+          scheduler only with a step);
+        * a fetch before any unit landed, for FIRST_LANDING_FACTOR times its estimated
+          first landing (StorageEstimate.first_landing_s) from its start, when that
+          estimate is at most PROBE_WAIT_FRACTION of the recompute looked up and the
+          estimated load beats recomputing. Reads sent together land together, so
+          nothing can be seen sooner; but storage slower than its estimate is seen by
+          that time, not after two unit times and steps of no progress (H100, session
+          16: a cold restart priced 64 units at 0.36 s from a 45 ms unit time, saw
+          nothing land, and gave up 0.12 s in against a 0.03 s allowance, 1.26 x
+          recompute; a first round estimated past 5 % of the recompute is no bet);
+        * a fetch whose units land while it keeps the pace (a landing within two unit
+          times and steps) and finishing it at that pace beats recomputing what has
+          not landed.
 
         `fetched` units of this fetch landed, in any order, the first of them
         `landing_s` seconds ago, and `outstanding` (default `coming`) have not landed
         yet. From the second landing on, the pace since the first (`landing_s` over
         `fetched` - 1) must finish the outstanding ones before recomputing what has not
         landed in order would (a fetch on storage that the estimate overrated stops at
-        once, not after the estimate's time). The time before the first landing is no
-        pace: reads sent together land together, one read's time after they start.
+        once, not after the estimate's time).
 
         A step is `poll_s`, the time since the scheduler last asked about this request
         (default: the engine's recent step time). While nothing else runs the engine
@@ -484,6 +447,14 @@ class CostModel:
         if fetched >= 2:
             finish_s = max(finish_s, left * landing_s / (fetched - 1))
         worth = recompute is not None and finish_s < recompute
+        if not fetched and not landed:
+            # Nothing landed yet: `stalled_s` runs from the fetch's start. Wait for the
+            # first round, which lands together, no longer than the estimate's time for
+            # it (with some slack), and only where that estimate is itself a bounded bet.
+            first_s = storage.first_landing_s(left)
+            whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
+            bet = first_s <= PROBE_WAIT_FRACTION * whole
+            return worth and bet and stalled_s < FIRST_LANDING_FACTOR * first_s, allowance
         return worth and stalled_s < 2 * (storage.unit_s + step_s), allowance
 
     def chunks_worth_loading(

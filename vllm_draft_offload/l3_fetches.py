@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
-from vllm_draft_offload.l3_cost import StorageEstimate
+from vllm_draft_offload.l3_storage_estimate import StorageEstimate
 from vllm_draft_offload.metadata import FetchJob
 
 # Successor tuple of a unit whose header has not been read yet; token ids are >= 0.

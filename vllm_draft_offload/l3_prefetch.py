@@ -13,7 +13,9 @@ hit is fetched (l3_cost.py). Under `cost`, `CostModel.may_wait` decides how long
 a request waits, counted from its lookup: always within 5 % of the estimated
 recompute of what it looks up plus what the chunks that landed save (all it gets
 while the storage is unmeasured, i.e. for the probe), and once the storage is
-measured also while the fetch keeps the measured pace. When it stops waiting it is
+measured also in bounded bets past it: a slow lookup, a fetch's first round within
+1.5 x its estimated time, a fetch that keeps the pace its landings show (l3_cost.py
+states the worst case). When it stops waiting it is
 admitted with the leading chunks that landed; its other fetches finish in the
 background into the CPU tier, except after a fetch (not a probe) it gave up as too
 slow: then the reads not yet started are cancelled. Without any recompute estimate (a start with no
