@@ -2,7 +2,10 @@
 
 While a request's lookup or fetch is in flight, `get_num_new_matched_tokens`
 answers "ask again" (None), so vLLM schedules other work and the request is
-admitted once the units sit in host slots; then it is an ordinary CPU hit. A
+admitted once the units sit in host slots; then it is an ordinary CPU hit. With
+`l3.overlap_restore` a request whose fetch is under way and on pace is admitted
+before that, as an asynchronous load restoring each unit as it lands
+(restore_overlap.py); the allowance below still rules after that admission. A
 fetched unit gets its identity (chunk key plus successor tokens) from the
 object's header, so the EAGLE successor rule applies to L3 hits unchanged.
 
