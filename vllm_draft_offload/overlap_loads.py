@@ -22,6 +22,7 @@ ranks' error blocks, so every rank recomputes from the earliest failure of any.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +30,9 @@ from typing import Protocol
 import torch
 
 from vllm_draft_offload.metadata import TransferJob
+from vllm_draft_offload.transfers import Descriptors, UnitCopies
+
+logger = logging.getLogger(__name__)
 
 # Unit states: its fetch has not landed here yet; copied (its copy is issued); not
 # copied and reported as load errors (failed, or past a failure).
@@ -87,14 +91,33 @@ class OverlapLoads:
             if (load := self._loads.get(job_id)) is not None:
                 load.abandoned = True
 
-    def copies_due(self) -> list[tuple[OverlapLoad, list[int]]]:
-        """Per load, the units to copy now (their fetch landed, or they need none);
-        settles failed ones. The caller issues them and calls `issued`."""
+    def copies_due(
+        self, copies: UnitCopies, layer_names: list[str]
+    ) -> list[tuple[OverlapLoad, list[tuple[int, dict[str, Descriptors]]]]]:
+        """Per load, the units to copy now (their fetch landed, or they need none) with
+        their copies per layer; settles failed ones. The caller issues them and calls
+        `issued`."""
         due = []
         for load in self._loads.values():
-            units = [i for i in range(len(load.states)) if self._settle(load, i)]
-            if units:
-                due.append((load, units))
+            planned = []
+            for index in range(len(load.states)):
+                if not self._settle(load, index):
+                    continue
+                unit = load.job.overlap_units[index]
+                try:
+                    layers = copies.layers(unit.host_pages, unit.gpu_blocks, to_host=False)
+                except ValueError as exc:
+                    logger.warning(
+                        "DraftOffloadConnector: load job %d unit %d refused: %s",
+                        load.job.job_id,
+                        index,
+                        exc,
+                    )
+                    load.states[index] = NOT_LOADED  # reported like a failed fetch
+                    continue
+                planned.append((index, dict(zip(layer_names, layers, strict=True))))
+            if planned:
+                due.append((load, planned))
         return due
 
     def _settle(self, load: OverlapLoad, index: int) -> bool:
@@ -133,10 +156,6 @@ class OverlapLoads:
         if event is not None:
             load.events.append(event)
         load.keepalive += keepalive
-
-    def failed_unit(self, load: OverlapLoad, index: int) -> None:
-        """The unit's copy could not even be planned: reported like a failed fetch."""
-        load.states[index] = NOT_LOADED
 
     def poll(self) -> tuple[list[int], set[str], set[str], set[int]]:
         """(completed load jobs, finished_recving, failed_recving, error blocks) of the

@@ -335,31 +335,10 @@ class DraftOffloadWorker:
         if self._l3_link is not None:
             for result in self._l3_link.take_landings():
                 self._overlap.landed(result.job_id, result.successors)
-        due = self._overlap.copies_due() if self._overlap else []
-        if not due:
+        if not self._overlap:
             return
         assert self._copies is not None
-        planned = []
-        for load, units in due:
-            copies = []
-            for index in units:
-                unit = load.job.overlap_units[index]
-                try:
-                    layers = self._copies.layers(unit.host_pages, unit.gpu_blocks, to_host=False)
-                except ValueError as exc:
-                    logger.warning(
-                        "DraftOffloadConnector: load job %d unit %d refused: %s",
-                        load.job.job_id,
-                        index,
-                        exc,
-                    )
-                    self.stats.record_fallback("load_error")
-                    self._overlap.failed_unit(load, index)
-                    continue
-                names = (region.slot.name for region in self.regions)
-                copies.append((index, dict(zip(names, layers, strict=True))))
-            if copies:
-                planned.append((load, copies))
+        planned = self._overlap.copies_due(self._copies, [r.slot.name for r in self.regions])
         if not planned:
             return
         if self._on_device:
