@@ -39,6 +39,12 @@ logger = logging.getLogger(__name__)
 WAITING, ISSUED, NOT_LOADED = "waiting", "issued", "not_loaded"
 
 
+def remembered_fetches(num_slots: int) -> int:
+    """Fetch outcomes a worker keeps for loads not yet arrived: at most one fetch per
+    CPU-tier slot is in flight on any rank, so twice that, and some, is never short."""
+    return 2 * num_slots + 64
+
+
 class _Event(Protocol):
     def query(self) -> bool: ...
 

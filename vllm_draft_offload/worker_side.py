@@ -39,7 +39,7 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
-from vllm_draft_offload.overlap_loads import OverlapLoads
+from vllm_draft_offload.overlap_loads import OverlapLoads, remembered_fetches
 from vllm_draft_offload.transfers import (
     Descriptors,
     HostPool,
@@ -147,8 +147,7 @@ class DraftOffloadWorker:
         self._on_device = sample.is_cuda
         num_slots = self.config.cpu_bytes // layout.unit_bytes
         self.pool = HostPool(num_slots, layout.unit_bytes, pin=self._on_device)
-        # At most one fetch per slot is in flight on any rank (OverlapLoads.landed).
-        self._overlap = OverlapLoads(self.async_loads, remembered_fetches=2 * num_slots + 64)
+        self._overlap = OverlapLoads(self.async_loads, remembered_fetches(num_slots))
         self._copies = UnitCopies(self.regions, self.pool)
         self.copier = CopyEngine(
             self.config.copy_path,
