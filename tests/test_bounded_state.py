@@ -42,6 +42,7 @@ from vllm_draft_offload.metrics import (
     SAMPLE_LIST_SECTIONS,
     SAMPLE_MAP_SECTIONS,
 )
+from vllm_draft_offload.overlap_loads import remembered_fetches
 from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
 from vllm_draft_offload.worker_audit import job_slots
 
@@ -57,6 +58,8 @@ CAPPED = {
     "l3.lookup._broken": MAX_BROKEN_KEYS,
     "l3.background._late": MAX_LATE_LOOKUPS,
     "l3.log.recent": KEEP,
+    # Fetch outcomes a worker keeps for overlapped loads that have not arrived yet.
+    "_overlap._outcomes": remembered_fetches(CPU_UNITS),
     "l3.log._counts": 16,  # one per decision outcome
     "l3.log._chunks": 2,  # found, landed
     "l3.cost.prefill._samples": WINDOW,

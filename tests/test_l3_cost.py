@@ -353,7 +353,7 @@ def _restarted(
 def _serve(eng: SimEngine, req_id: str, tokens: list[int]) -> dict:
     eng.evict_gpu_kv()
     eng.take_published()
-    eng.add_request(req_id, tokens, max_tokens=1)
+    eng.add_request(req_id, tokens, max_tokens=2)
     eng.run_prefill(req_id)
     assert eng.mismatched_positions(req_id) == []
     eng.run_until_done()

@@ -68,7 +68,7 @@ def test_fetch_never_evicts_the_requests_own_cpu_hit(
     evictions_before = sched.index.num_evictions
 
     eng.evict_gpu_kv()
-    eng.add_request("again", full, max_tokens=1)
+    eng.add_request("again", full, max_tokens=2)
     eng.run_prefill("again")
     # P0, P1 from the CPU tier, P2, P3 fetched into the slots of Q0, Q1.
     assert eng.external_hits["again"] == 4 * CHUNK
@@ -183,7 +183,11 @@ def test_ranks_with_different_successors_mean_recompute_and_deletion(
     url = f"fs://{tmp_path / 'l3'}"
     tokens = prompt(33, 3 * CHUNK + 5)
     fill_l3(model_dirs, url, tokens, eagle=True)  # EAGLE: units carry one successor token
-    eng = l3_engine(model_dirs, url, eagle=True)
+    # The scheduler's check, on a request that waits for its units to land: an
+    # overlapped restore has each worker check its own header as its unit lands (rank
+    # 1's report here is only a scheduler message), test_restore_overlap.py.
+    l3 = {"enabled": True, "timeout_s": 2.0, "hit_policy": "always", "overlap_restore": False}
+    eng = l3_engine(model_dirs, url, eagle=True, extra_config={"l3": l3})
     sched = eng.scheduler.connector.scheduler
     assert sched.l3 is not None
     store = sched.l3.lookup.store
@@ -264,7 +268,7 @@ def test_fetches_of_one_request_run_in_parallel(
     l3 = {"enabled": True, "hit_policy": "always", "io_threads": 4}
     eng = l3_engine(model_dirs, url, extra_config={"l3": l3})
     slow = throttle(eng.worker.worker.l3.store, get=0.2)
-    eng.add_request("r", tokens, max_tokens=1)
+    eng.add_request("r", tokens, max_tokens=2)
     eng.run_prefill("r")
     assert eng.external_hits["r"] == 4 * CHUNK
     assert slow.max_gets_in_flight == 4  # one per read thread, all at once

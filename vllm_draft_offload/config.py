@@ -61,6 +61,12 @@ class L3Config(BaseModel):
     # beats recomputing the rest; a storage whose first units land late is then still
     # used, at the cost of that bound (session 9: partial hits at 1.16-1.29 x).
     wait_past_allowance: bool = True
+    # Admit a request whose storage fetch is under way (and on pace) before its units
+    # have landed, as an asynchronous load that copies each unit to the GPU as soon as
+    # it lands (restore_overlap.py): the fetch and the host-to-GPU restore overlap
+    # instead of running one after the other. False: a storage hit is admitted once
+    # its units sit in the CPU tier, then restored like any CPU hit. Off under `audit`.
+    overlap_restore: bool = True
     # At shutdown, how long a worker waits for queued writes to land; the rest are
     # counted as l3_write_lost_shutdown.
     flush_timeout_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)

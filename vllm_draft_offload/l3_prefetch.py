@@ -2,7 +2,10 @@
 
 While a request's lookup or fetch is in flight, `get_num_new_matched_tokens`
 answers "ask again" (None), so vLLM schedules other work and the request is
-admitted once the units sit in host slots; then it is an ordinary CPU hit. A
+admitted once the units sit in host slots; then it is an ordinary CPU hit. With
+`l3.overlap_restore` a request whose fetch is under way and on pace is admitted
+before that, as an asynchronous load restoring each unit as it lands
+(restore_overlap.py); the allowance below still rules after that admission. A
 fetched unit gets its identity (chunk key plus successor tokens) from the
 object's header, so the EAGLE successor rule applies to L3 hits unchanged.
 
@@ -29,8 +32,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
@@ -40,9 +41,11 @@ from vllm_draft_offload.l3_calibration import Calibration
 from vllm_draft_offload.l3_cost import PROBE_UNITS, CostModel
 from vllm_draft_offload.l3_decisions import DecisionLog, L3Decision
 from vllm_draft_offload.l3_fetches import FetchBook
+from vllm_draft_offload.l3_request import L3RequestState
 from vllm_draft_offload.l3_tier import SchedulerL3
 from vllm_draft_offload.metadata import FETCH_CANCELLED, FetchJob
 from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.restore_overlap import OverlapRestores
 
 logger = logging.getLogger(__name__)
 
@@ -67,44 +70,6 @@ def _units(count: int) -> str:
     return f"{count} unit" if count == 1 else f"{count} units"
 
 
-@dataclass
-class L3RequestState:
-    first_chunk: int
-    end_chunk: int  # chunks [first_chunk, end_chunk) are looked up
-    decision: L3Decision
-    phase: str = "lookup"  # lookup -> [probe ->] fetch -> done
-    hits: int = 0  # leading chunks storage holds
-    # A later call whose first missing chunk is in [first_chunk, covered_until] is
-    # this same lookup, further along; past it a new lookup starts.
-    covered_until: int = 0
-    lookup: Future[list[bool]] | None = None
-    lookup_started: float = 0.0
-    jobs: set[int] = field(default_factory=set)
-    started: float = field(default_factory=time.monotonic)  # the wait clock
-    # Leading chunks landed so far, and when the fetch last made progress.
-    landed: int = 0
-    progress: float = field(default_factory=time.monotonic)
-    # When the scheduler last asked about it: the gap is the step cadence the request
-    # waits at (an answer reaches it only with a step), not the engine's mean step time.
-    polled: float = field(default_factory=time.monotonic)
-    # When the (non-probe) fetch began, and its units landed since, in any order: the
-    # pace it makes prices the rest of it. Reads on several threads land out of order,
-    # so the leading count alone can stand still while the fetch is on pace (on an H100
-    # a warm fetch of 64 units was given up with 5 leading ones in after 46 ms, priced
-    # from them at 0.54 s where the whole fetch takes about 0.2 s).
-    fetch_started: float | None = None
-    fetched: int = 0
-    # When its first unit landed: the pace is timed from there, since a round's reads
-    # land together one read's time after they start (an H100 host: 1 of 64 in after
-    # 29 ms priced the rest at 1.8 s, where the whole fetch took 0.19 s).
-    first_landing: float | None = None
-    # Chunks chosen for the fetch that found no CPU-tier slot yet, from `next_fetch` on:
-    # reserved in order as slots free up while the fetch runs (never past a gap, so a
-    # full tier drops tails, never heads).
-    short: int = 0
-    next_fetch: int = 0
-
-
 class L3Prefetch:
     def __init__(
         self,
@@ -116,6 +81,7 @@ class L3Prefetch:
         new_job_id: Callable[[], int],
         unit_bytes: int,
         salt: bytes | None = None,
+        overlap: bool = False,
     ) -> None:
         self.lookup = lookup
         self.index = index
@@ -149,6 +115,10 @@ class L3Prefetch:
         self._fetched_for: dict[str, set[bytes]] = {}
         self._warned_small_tier = False
         self.fetches = FetchBook(index, new_job_id, self.cost.storage)
+        # Hits admitted while their units still land (restore_overlap.py).
+        self.overlap = OverlapRestores(self, overlap)
+        # Told when a fetched unit gets its final identity (its load's pin moves along).
+        self.on_rekey: Callable[[UnitId, UnitId], None] | None = None
         # Lookups no request waits for any more, kept to measure the storage.
         self.background = BackgroundProbe(
             self.cost.storage,
@@ -241,7 +211,9 @@ class L3Prefetch:
             self._fetch_more(req_id, state, keys)
         if state.phase in ("probe", "fetch") and state.jobs:
             if self._may_wait(state, landed):
-                return True
+                # On pace: admitted now, each unit restored as it lands (an overlapped
+                # restore), or asked about again.
+                return not self.overlap.offer(state)
             self._give_up(state, landed)
             return False
         if state.phase == "probe":
@@ -489,6 +461,7 @@ class L3Prefetch:
         allow; those without a slot are `short`, from `next_fetch` on."""
         jobs = self.fetches.reserve(req_id, keys[first : first + count])
         state.jobs.update(jobs)
+        state.job_chunks.update(zip(jobs, range(first, first + len(jobs)), strict=False))
         state.decision.wanted += len(jobs)
         state.short = count - len(jobs)
         state.next_fetch = first + len(jobs)
@@ -564,12 +537,16 @@ class L3Prefetch:
         final: UnitId = (placeholder[0], tuple(successors))
         if self.index.get(final) is not None:
             self.index.remove(placeholder)  # the CPU tier got the same unit meanwhile
-        else:
-            self.index.rekey(placeholder, final)
+        elif self.index.rekey(placeholder, final):
             self.index.commit(final)
+            if self.on_rekey is not None:
+                self.on_rekey(placeholder, final)
         if req_id is not None and state is not None and state.phase in ("probe", "fetch"):
-            # Keep it until the request is admitted: later fetches must not evict it.
-            self._pin(req_id, [final])
+            if (chunk := state.job_chunks.get(job_id)) is not None:
+                state.landed_chunks.add(chunk)
+            if self.overlap.landed_pin_needed(state):
+                # Keep it until the request is admitted: later fetches must not evict it.
+                self._pin(req_id, [final])
             # Any unit landing is progress, not only the next leading one.
             state.progress = time.monotonic()
             if state.phase == "fetch":

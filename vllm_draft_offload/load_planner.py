@@ -7,11 +7,13 @@ the blocks vLLM allocated for the window before the hit's end (windows.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.hit_logic import PrefixMatch
+from vllm_draft_offload.metadata import LoadUnit
 
 
 @dataclass
@@ -22,6 +24,8 @@ class LoadPlan:
     # GPU blocks vLLM counts as loaded whose units are gone: reported for recompute.
     error_blocks: list[int] = field(default_factory=list)
     loaded_end: int = 0  # tokens restored end here
+    # An overlapped restore's units, in chunk order (the pairs above, split by unit).
+    overlap_units: list[LoadUnit] = field(default_factory=list)
 
 
 def plan_load(
@@ -30,8 +34,16 @@ def plan_load(
     match: PrefixMatch,
     block_ids: tuple[list[int], ...],
     async_loads: bool,
+    landing: Mapping[UnitId, int] | None = None,
+    token_ids: Sequence[int] = (),
+    num_successors: int = 0,
 ) -> LoadPlan:
-    """Pin and pair the units of `match` (already trimmed to what vLLM admitted)."""
+    """Pin and pair the units of `match` (already trimmed to what vLLM admitted).
+
+    `landing`: an overlapped restore, whose match takes units still being fetched
+    (placeholder -> fetch job); each unit's pairs are also kept apart, with the fetch
+    to wait for and the successor tokens (from `token_ids`) its header must start with.
+    """
     groups = len(layout.groups)
     plan = LoadPlan(
         host_pages=[[] for _ in range(groups)],
@@ -56,7 +68,8 @@ def plan_load(
             break
         unit_id: UnitId = view.handle  # type: ignore[assignment]
         entry = index.get(unit_id) if restorable and plan.loaded_end == match.end_token else None
-        if entry is None or not entry.ready:
+        fetch_job = landing.get(unit_id) if landing is not None else None
+        if entry is None or not (entry.ready or fetch_job is not None):
             # Evicted between lookup and allocation: vLLM already counts these
             # tokens as loaded, so the worker reports their blocks (and every later
             # chunk's: a prefix cannot have holes) for recompute.
@@ -73,15 +86,25 @@ def plan_load(
             continue
         index.pin(unit_id)
         plan.units.append(unit_id)
+        unit = LoadUnit([[] for _ in range(groups)], [[] for _ in range(groups)], fetch_job)
         layout.add_restore_pages(
-            plan.host_pages,
-            plan.gpu_blocks,
+            unit.host_pages,
+            unit.gpu_blocks,
             entry.slot,
             chunk,
             block_ids,
             match.start_token,
             match.end_token,
         )
+        for g in range(groups):
+            plan.host_pages[g] += unit.host_pages[g]
+            plan.gpu_blocks[g] += unit.gpu_blocks[g]
+        if landing is not None:
+            if fetch_job is not None:
+                unit.successors = _successors_relied_on(
+                    chunk, layout.chunk_size, match.end_token, token_ids, num_successors
+                )
+            plan.overlap_units.append(unit)
     plan.error_blocks = [block for blocks in error_blocks for block in blocks]
     if async_loads and plan.loaded_end < match.end_token:
         # vLLM recomputes a failed asynchronous load whole (and looks it up
@@ -92,4 +115,16 @@ def plan_load(
         plan.units, plan.loaded_end = [], match.start_token
         plan.host_pages = [[] for _ in range(groups)]
         plan.gpu_blocks = [[] for _ in range(groups)]
+        plan.overlap_units = []
     return plan
+
+
+def _successors_relied_on(
+    chunk: int, chunk_size: int, end_token: int, token_ids: Sequence[int], num_successors: int
+) -> tuple[int, ...]:
+    """The tokens after the chunk that the restored part of its unit depends on: the
+    draft KV of its last `num_successors` positions was built from them (hit_logic's
+    trailing-block rule). A hit ending inside the chunk relies on fewer."""
+    chunk_end = (chunk + 1) * chunk_size
+    needed = max(0, min(end_token, chunk_end) - (chunk_end - num_successors))
+    return tuple(token_ids[chunk_end : chunk_end + needed])

@@ -29,6 +29,20 @@ class L3WriteOrder:
 
 
 @dataclass
+class LoadUnit:
+    """One unit of an overlapped load (restore_overlap.py): its page pairs, and the
+    storage fetch that is still filling its host slot when the load was planned."""
+
+    host_pages: list[list[int]]
+    gpu_blocks: list[list[int]]
+    # None: the unit sat in the CPU tier already; else copied once this fetch landed
+    # on this worker, with a header whose successor tokens start with `successors`
+    # (the tokens the request's hit relies on: its draft KV was built from them).
+    fetch_job: int | None = None
+    successors: tuple[int, ...] = ()
+
+
+@dataclass
 class TransferJob:
     """Copies between host slots and GPU blocks for one request.
 
@@ -57,6 +71,10 @@ class TransferJob:
     # was computed on (its own, or another request's it shares through vLLM's prefix
     # cache). If one of them fails, the store holds KV of a wrong prefix: dropped.
     after_loads: list[int] = field(default_factory=list)
+    # Load only: an overlapped load (restore_overlap.py) and its units in chunk order; the
+    # request waits in WAITING_FOR_REMOTE_KVS until every rank reports it finished.
+    overlapped: bool = False
+    overlap_units: list[LoadUnit] = field(default_factory=list)
 
     @property
     def num_pages(self) -> int:
@@ -105,6 +123,9 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # Some request waits on a storage lookup or fetch: workers hold write-behind to
     # one unit at a time meanwhile (WorkerL3.hold_writes).
     l3_reads_waiting: bool = False
+    # Overlapped loads the scheduler gave up waiting on (their fetches too slow, or the
+    # request aborted): units not landed yet are reported as load errors, not awaited.
+    abandon_loads: list[int] = field(default_factory=list)
 
 
 @dataclass

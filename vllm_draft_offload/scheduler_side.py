@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_draft_offload.audit import RecomputeAudit
 from vllm_draft_offload.chunk_keys import ChunkKeyChain, make_salt, request_salt
 from vllm_draft_offload.config import DraftOffloadConfig
-from vllm_draft_offload.cpu_index import CpuTierIndex
+from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.hit_logic import (
     PrefixMatch,
@@ -67,6 +67,11 @@ class RequestState:
     restored_tokens: int = 0
     # Of the last admitted hit, tokens in units storage supplied while it waited.
     storage_tokens: int = 0
+    # The pending match takes units still landing from storage: placeholder -> fetch
+    # job (an overlapped restore, restore_overlap.py); None: it takes none.
+    pending_fetches: dict[UnitId, int] | None = None
+    # Where the last admitted hit starts (its restore is counted from there).
+    hit_start: int = 0
 
 
 class DraftOffloadScheduler:
@@ -104,6 +109,10 @@ class DraftOffloadScheduler:
         # wait for before writing (commit) or dropping (abort) them, sent next step.
         self._l3_commits: list[int] = []
         self._l3_aborts: list[int] = []
+        # Overlapped loads in flight: load job -> placeholders of units still landing
+        # when it was planned, and loads to abandon (sent with the next step).
+        self._overlapped_loads: dict[int, set[UnitId]] = {}
+        self._abandon_loads: list[int] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self.stats = DraftOffloadStats()
         self.l3: L3Prefetch | None = None
@@ -121,7 +130,11 @@ class DraftOffloadScheduler:
                 lambda: next(self._job_ids),
                 layout.unit_bytes,
                 salt=self.salt,
+                # Checksum audits verify a unit before its copy; a unit still landing
+                # has none yet.
+                overlap=config.l3.overlap_restore and not config.audit,
             )
+            self.l3.on_rekey = self._rekey_loading_unit
         self.l3_writes: L3WritePlanner | None = None
         if self.l3 is not None:
             self.l3_writes = L3WritePlanner(
@@ -171,18 +184,30 @@ class DraftOffloadScheduler:
         self._state(request)
 
     def _lookup(
-        self, chunk_key: bytes, successors: tuple[int, ...]
+        self,
+        chunk_key: bytes,
+        successors: tuple[int, ...],
+        landing: dict[bytes, tuple[UnitId, int]] | None = None,
     ) -> tuple[StoredUnitView | None, StoredUnitView | None]:
         exact = self.index.get((chunk_key, successors))
         if exact is not None and exact.ready:
             return StoredUnitView(exact.unit_id, successors, exact.has_state), None
+        if landing and chunk_key in landing:
+            # Still landing from storage: taken as if stored with the request's own
+            # successors; each worker checks the header's when it lands (overlap_loads).
+            return StoredUnitView(landing[chunk_key][0], successors), None
         variants = self.index.ready_variants(chunk_key)
         if not variants:
             return None, None
         best = max(variants, key=lambda e: common_prefix_length(e.successors, successors))
         return None, StoredUnitView(best.unit_id, best.successors, best.has_state)
 
-    def _match(self, state: RequestState, num_computed_tokens: int) -> PrefixMatch:
+    def _match(
+        self,
+        state: RequestState,
+        num_computed_tokens: int,
+        landing: dict[bytes, tuple[UnitId, int]] | None = None,
+    ) -> PrefixMatch:
         tokens = state.request.all_token_ids
         keys = state.keys.extend(tokens)
         return match_prefix(
@@ -191,7 +216,7 @@ class DraftOffloadScheduler:
             num_computed_tokens,
             self.chunk_size,
             self.num_successors,
-            self._lookup,
+            lambda key, successors: self._lookup(key, successors, landing),
             self.min_compute_tokens,
             can_end=self.layout.restorable,
             needs_state=bool(self.layout.state_groups),
@@ -205,18 +230,37 @@ class DraftOffloadScheduler:
             return 0, False
         tokens = request.all_token_ids
         match = self._match(state, num_computed_tokens)
+        state.pending_fetches = None
         if self.l3 is not None:
             if self.l3.must_wait(
                 request.request_id, match, state.keys.keys, len(tokens), num_computed_tokens
             ):
                 state.pending_match = None
                 return None, False
-            # Units fetched from L3 are in the CPU tier now.
-            match = self._match(state, num_computed_tokens)
+            # Units fetched from L3 are in the CPU tier now, or still landing for an
+            # overlapped restore.
+            landing = self.l3.overlap.pending_units(request.request_id)
+            match = self._match(state, num_computed_tokens, landing)
+            used = {view.handle: view for _, view in match.chunks}
+            state.pending_fetches = {
+                placeholder: job for placeholder, job in landing.values() if placeholder in used
+            } or None
+            if state.pending_fetches is None:
+                self.l3.overlap.release(request.request_id)
         state.pending_match = match
         if self.audit.divert(request.request_id, match):
+            self._release_overlap(state)
             return 0, False  # audited: vLLM recomputes the prefix, compared at store time
-        return match.num_tokens, self.async_loads and match.num_tokens > 0
+        # An overlapped restore always loads asynchronously: the forward must never
+        # wait on storage reads.
+        asynchronous = self.async_loads or state.pending_fetches is not None
+        return match.num_tokens, asynchronous and match.num_tokens > 0
+
+    def _release_overlap(self, state: RequestState) -> None:
+        """The request is not admitted with units still landing after all."""
+        if state.pending_fetches is not None and self.l3 is not None:
+            state.pending_fetches = None
+            self.l3.overlap.release(state.request.request_id)
 
     def _record_admission(self, match: PrefixMatch, num_tokens: int) -> None:
         """Lookup stats, once per admitted request (vLLM may ask several times)."""
@@ -236,19 +280,32 @@ class DraftOffloadScheduler:
             return
         match, state.pending_match = state.pending_match, None
         if match is None:
+            self._release_overlap(state)
             return
         self._record_admission(match, request.num_tokens)
         if num_external_tokens == 0 or match.num_tokens == 0:
+            self._release_overlap(state)
             return
         if match.num_tokens != num_external_tokens:
             # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
             match.end_token = match.start_token + num_external_tokens
+        landing, state.pending_fetches = state.pending_fetches, None
         if self.l3 is not None:
             fetched = self.l3.take_fetched_chunk_keys(request.request_id)
+            fetched |= {placeholder[0] for placeholder in landing or ()}
             state.storage_tokens = tokens_in_chunks(
                 match, self.chunk_size, lambda chunk: state.keys.keys[chunk] in fetched
             )
-        plan = plan_load(self.index, self.layout, match, blocks.get_block_ids(), self.async_loads)
+        plan = plan_load(
+            self.index,
+            self.layout,
+            match,
+            blocks.get_block_ids(),
+            self.async_loads,
+            landing=landing,
+            token_ids=request.all_token_ids,
+            num_successors=self.num_successors,
+        )
         job = TransferJob(
             next(self._job_ids),
             request.request_id,
@@ -256,12 +313,24 @@ class DraftOffloadScheduler:
             plan.host_pages,
             plan.gpu_blocks,
             error_blocks=plan.error_blocks,
+            overlapped=landing is not None,
+            overlap_units=plan.overlap_units,
         )
         self.jobs.add(
             job.job_id,
-            JobRecord(request.request_id, "load", plan.units, asynchronous=self.async_loads),
+            JobRecord(
+                request.request_id,
+                "load",
+                plan.units,
+                asynchronous=self.async_loads or landing is not None,
+            ),
         )
+        if landing is not None:
+            assert self.l3 is not None
+            self.l3.overlap.bind(request.request_id, job.job_id)
+            self._overlapped_loads[job.job_id] = set(landing) & set(plan.units)
         state.inflight_jobs.add(job.job_id)
+        state.hit_start = match.start_token
         state.restored_tokens = max(0, plan.loaded_end - match.start_token)
         # Chunks already in the tier need no store; skip past them.
         state.next_store_chunk = max(state.next_store_chunk, match.end_token // self.chunk_size)
@@ -336,12 +405,15 @@ class DraftOffloadScheduler:
             self.jobs.add(fetch.job_id, JobRecord("", "fetch", []))
         # Asynchronous loads are not read by this step's forward.
         meta.wait_loads_before_forward = not self.async_loads and any(
-            scheduler_output.num_scheduled_tokens.get(job.req_id, 0) <= self.decode_query_len
+            not job.overlapped
+            and scheduler_output.num_scheduled_tokens.get(job.req_id, 0) <= self.decode_query_len
             for job in meta.loads
         )
         self._pending_loads, self._pending_finish_stores = [], []
         if self.l3 is not None:
             meta.l3_reads_waiting = self.l3.any_waiting()
+            # Overlapped restores whose fetches fell behind: recompute what has not landed.
+            self._abandon_loads += self.l3.overlap.check()
             # Step timing for the L3 cost model: (new tokens, context) per request.
             self.l3.cost.step_scheduled(
                 [
@@ -351,6 +423,7 @@ class DraftOffloadScheduler:
                 ],
                 loads=bool(meta.loads),
             )
+        meta.abandon_loads, self._abandon_loads = self._abandon_loads, []
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         self.pins.take_state_offers(
             getattr(scheduler_output, "kv_connector_block_state", None),
@@ -429,13 +502,17 @@ class DraftOffloadScheduler:
         if state is None:
             return False, None
         self._record_acceptance(request, restored=state.restored_tokens > 0)
-        if any(
-            (record := self.jobs.get(job_id)) is not None and record.asynchronous
+        waiting_loads = [
+            job_id
             for job_id in state.inflight_jobs
-        ):
+            if (record := self.jobs.get(job_id)) is not None and record.asynchronous
+        ]
+        if waiting_loads:
             # Finished while waiting for its load (aborted): it computed nothing to
             # store, and vLLM holds its blocks until the load is reported in
-            # finished_recving. A finishing store would free them a second time.
+            # finished_recving. A finishing store would free them a second time. An
+            # overlapped load stops waiting for its fetches, so the blocks come back.
+            self._abandon_loads += [j for j in waiting_loads if j in self._overlapped_loads]
             self.pins.forget(request.request_id)
             return False, None
         job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
@@ -491,6 +568,8 @@ class DraftOffloadScheduler:
             # load it was computed on applied: wrong KV never reaches storage.
             (self._l3_aborts if record.failed else self._l3_commits).append(job_id)
         state = self._requests.get(record.req_id)
+        if job_id in self._overlapped_loads:
+            self._overlapped_load_done(job_id, state, record)
         if state is not None:
             state.inflight_jobs.discard(job_id)
             if record.failed:
@@ -505,6 +584,30 @@ class DraftOffloadScheduler:
                 self.index.remove(unit_id)
             else:
                 self.index.commit(unit_id)
+
+    def _rekey_loading_unit(self, placeholder: UnitId, final: UnitId) -> None:
+        """A unit an overlapped load pinned as a placeholder got its final identity."""
+        for job_id, placeholders in self._overlapped_loads.items():
+            if placeholder in placeholders and (record := self.jobs.get(job_id)) is not None:
+                placeholders.discard(placeholder)
+                record.units = [final if unit == placeholder else unit for unit in record.units]
+
+    def _overlapped_load_done(
+        self, job_id: int, state: RequestState | None, record: JobRecord
+    ) -> None:
+        """Every rank reported the overlapped load. vLLM has already cut the request's
+        computed tokens at the first block any rank reported as not loaded (it handles
+        those before this output's connector report): what it recomputes from there is
+        computed on a sound prefix, so it is stored again."""
+        del self._overlapped_loads[job_id]
+        if self.l3 is not None:
+            self.l3.overlap.load_done(record.req_id)
+        if state is None:
+            return
+        computed = state.request.num_computed_tokens
+        state.restored_tokens = min(state.restored_tokens, max(0, computed - state.hit_start))
+        state.storage_tokens = min(state.storage_tokens, state.restored_tokens)
+        state.next_store_chunk = min(state.next_store_chunk, computed // self.chunk_size)
 
     def _after_failure(self, state: RequestState, job_id: int, record: JobRecord) -> None:
         if record.direction == "load":

@@ -21,7 +21,7 @@ from vllm_draft_offload.metrics import DraftOffloadStats
 
 if TYPE_CHECKING:
     from vllm_draft_offload.geometry import UnitLayout
-    from vllm_draft_offload.l3_tier import WorkerL3
+    from vllm_draft_offload.l3_tier import FetchResult, WorkerL3
     from vllm_draft_offload.worker_audit import SlotChecksums
 
 
@@ -34,6 +34,8 @@ class L3Link:
         self.stats = stats
         # Store job -> its L3 write orders, held back until the scheduler's verdict.
         self._uncommitted_writes: dict[int, list[L3WriteOrder]] = {}
+        # Fetches taken off L3's queue early (take_landings), reported with the next drain.
+        self._landed: list[FetchResult] = []
 
     def apply_verdicts(self, meta: DraftOffloadMetadata) -> None:
         """This step's write announcements, cancels, and commit/abort verdicts."""
@@ -61,6 +63,15 @@ class L3Link:
             # Written once the scheduler confirms the job (l3_commit_jobs).
             self._uncommitted_writes[job.job_id] = job.l3_units
 
+    def take_landings(self) -> list[FetchResult]:
+        """Fetches finished since the last call, for overlapped loads to copy at once;
+        they are still reported to the scheduler with the next `drain`."""
+        new = []
+        while not self.l3.fetches_done.empty():
+            new.append(self.l3.fetches_done.get())
+        self._landed += new
+        return new
+
     def drain(
         self,
         meta: DraftOffloadWorkerMetadata,
@@ -78,8 +89,9 @@ class L3Link:
             kind, write_id = l3.write_reports.get()
             counts = write_counts[kind]
             counts[write_id] = counts.get(write_id, 0) + 1
-        while not l3.fetches_done.empty():
-            result = l3.fetches_done.get()
+        self.take_landings()
+        landed, self._landed = self._landed, []
+        for result in landed:
             if result.successors is None:
                 meta.failed_jobs[result.job_id] = 1
                 meta.failure_causes[result.job_id] = result.cause or "l3_corrupt"

@@ -39,6 +39,7 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.overlap_loads import OverlapLoads, remembered_fetches
 from vllm_draft_offload.transfers import (
     Descriptors,
     HostPool,
@@ -87,6 +88,8 @@ class DraftOffloadWorker:
         # Several KV-cache groups: loads are asynchronous (see DraftOffloadConnector).
         self.async_loads = async_loads
         self._async = AsyncLoads()
+        # Loads admitted while their storage fetches still land (overlap_loads.py).
+        self._overlap = OverlapLoads(async_loads, remembered_fetches=0)
         self.kv_cache_dtype = kv_cache_dtype
         self.drafter_id = drafter_id
         self.rank = rank
@@ -144,6 +147,7 @@ class DraftOffloadWorker:
         self._on_device = sample.is_cuda
         num_slots = self.config.cpu_bytes // layout.unit_bytes
         self.pool = HostPool(num_slots, layout.unit_bytes, pin=self._on_device)
+        self._overlap = OverlapLoads(self.async_loads, remembered_fetches(num_slots))
         self._copies = UnitCopies(self.regions, self.pool)
         self.copier = CopyEngine(
             self.config.copy_path,
@@ -242,30 +246,27 @@ class DraftOffloadWorker:
             if self.l3 is None:
                 self._worker_meta.failed_jobs[fetch.job_id] = 1
                 self._worker_meta.failure_causes[fetch.job_id] = "l3_unavailable"
+                self._overlap.landed(fetch.job_id, None)
             else:
                 self.l3.fetch_unit(fetch.job_id, fetch.slot, fetch.chunk_key)
-        planned = self._valid_loads(meta.loads)
+        self._overlap.abandon(meta.abandon_loads)
+        for job in meta.loads:
+            if job.overlapped:
+                self._overlap.add(job, self._blocks_written_event())
+        self._advance_overlaps()
+        planned = self._valid_loads([job for job in meta.loads if not job.overlapped])
         if not planned:
             return
         loads = [job for job, _ in planned]
-        started = time.perf_counter()
-        num_bytes = {True: 0, False: 0}
-        start_event = None
+        regions = self._ordered_regions()
+        descs = [Descriptors.concat([c[r.slot.name] for _, c in planned]) for r in regions]
         if self._on_device:
             assert self._load_stream is not None
             # New blocks may have been written by the previous step's kernels.
             self._load_stream.wait_stream(torch.cuda.current_stream())
-            start_event = torch.cuda.Event(enable_timing=True)
-            start_event.record(self._load_stream)
+        chunks = self._num_chunks(loads) if self.counts_chunks else 0
+        keepalive, events = self._run_loads(regions, descs, chunks)
         last_event: torch.Event | None = None
-        assert self.copier is not None
-        regions = self._ordered_regions()
-        descs = [Descriptors.concat([c[r.slot.name] for _, c in planned]) for r in regions]
-        for region, desc in zip(regions, descs, strict=True):
-            num_bytes[region.slot.is_draft] += desc.num_bytes
-        # Every layer's small pages in one kernel launch, then each layer's DMA share,
-        # with an event per layer (copy_paths.py).
-        keepalive, events = self.copier.run_layers(descs, "load", self._load_stream)
         for region, event in zip(regions, events, strict=True):
             if event is not None:
                 last_event = event
@@ -283,7 +284,25 @@ class DraftOffloadWorker:
                 torch.cuda.current_stream().wait_event(last_event)
             for job in loads:
                 self._worker_meta.completed_jobs[job.job_id] = 1
-        chunks = self._num_chunks(loads) if self.counts_chunks else 0
+
+    def _run_loads(
+        self, regions: list[LayerRegion], descs: list[Descriptors], chunks: int
+    ) -> tuple[list[torch.Tensor], list[torch.Event | None]]:
+        """Copy host pages to GPU blocks, one batch per layer of `regions` (on the load
+        stream, after what it already waits for), timed as one load of `chunks`."""
+        started = time.perf_counter()
+        num_bytes = {True: 0, False: 0}
+        start_event = None
+        if self._on_device:
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record(self._load_stream)
+        assert self.copier is not None
+        for region, desc in zip(regions, descs, strict=True):
+            num_bytes[region.slot.is_draft] += desc.num_bytes
+        # Every layer's small pages in one kernel launch, then each layer's DMA share,
+        # with an event per layer (copy_paths.py).
+        keepalive, events = self.copier.run_layers(descs, "load", self._load_stream)
+        last_event = next((event for event in reversed(events) if event is not None), None)
         if start_event is not None and last_event is not None:
             self._timed_loads.append(
                 InflightLoad(start_event, last_event, num_bytes[False], num_bytes[True], chunks)
@@ -297,6 +316,45 @@ class DraftOffloadWorker:
                 chunks,
                 time.perf_counter() - started,
             )
+        return keepalive, events
+
+    def _blocks_written_event(self) -> torch.Event | None:
+        """An event after the device work issued so far: an overlapped load's copies
+        follow it, as its request's new blocks may have been written by earlier kernels
+        (a later forward never touches them: the request waits for its load)."""
+        if not self._on_device:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def _advance_overlaps(self) -> None:
+        """Copy the units of overlapped loads whose fetches landed since the last call,
+        every load's in one batch per layer."""
+        if self._l3_link is not None:
+            for result in self._l3_link.take_landings():
+                self._overlap.landed(result.job_id, result.successors)
+        if not self._overlap:
+            return
+        assert self._copies is not None
+        planned = self._overlap.copies_due(self._copies, [r.slot.name for r in self.regions])
+        if not planned:
+            return
+        if self._on_device:
+            assert self._load_stream is not None
+            for load, _ in planned:
+                if load.after is not None:
+                    self._load_stream.wait_event(load.after)
+        regions = self._ordered_regions()
+        descs = [
+            Descriptors.concat([c[r.slot.name] for _, copies in planned for _, c in copies])
+            for r in regions
+        ]
+        chunks = sum(len(copies) for _, copies in planned) if self.counts_chunks else 0
+        keepalive, events = self._run_loads(regions, descs, chunks)
+        last_event = next((event for event in reversed(events) if event is not None), None)
+        for load, copies in planned:
+            self._overlap.issued(load, [index for index, _ in copies], last_event, keepalive)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         event = self._layer_events.pop(self._aliases.get(layer_name, layer_name), None)
@@ -437,10 +495,15 @@ class DraftOffloadWorker:
         self._poll_loads()
         sending = self._stores.poll(self._retire_store)
         done_jobs, recving, failed = self._async.poll()
-        for job_id in done_jobs:
+        self._advance_overlaps()
+        overlapped, overlap_recving, overlap_failed, error_blocks = self._overlap.poll()
+        if error_blocks:
+            self.stats.record_fallback("load_error")
+        self._load_error_blocks |= error_blocks
+        for job_id in done_jobs + overlapped:
             # Unpinned by the scheduler once every worker's copies are done.
             self._worker_meta.completed_jobs[job_id] = 1
-        return sending, recving, failed
+        return sending, recving | overlap_recving, failed | overlap_failed
 
     def _drain_l3(self) -> None:
         if self._l3_link is not None:
@@ -460,6 +523,7 @@ class DraftOffloadWorker:
 
     def shutdown(self) -> None:
         self._async.synchronize()
+        self._overlap.synchronize()
         self._stores.synchronize()
         self._stores.poll(self._retire_store)
         if self._l3_link is not None:

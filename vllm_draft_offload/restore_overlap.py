@@ -1,0 +1,122 @@
+"""Scheduler side of overlapped restores: admit a storage hit while its units still land.
+
+Without it, a request whose chunks are fetched from storage waits (vLLM is told "ask
+again") until the units sit in host slots, and only then is admitted and restored:
+the fetch and the host-to-GPU copy run one after the other. With `l3.overlap_restore`
+a request whose fetch is under way, with a slot for every chunk chosen, is admitted
+as soon as it may wait on that fetch at all (the cost policy found the hit worth
+loading, and the wait is within its allowance or on pace), as an ASYNCHRONOUS load:
+vLLM allocates its blocks and parks it in WAITING_FOR_REMOTE_KVS, so no forward
+waits on storage, and each worker copies every unit to the GPU as soon as its fetch
+lands there (overlap_loads.py). The load's units are pinned until it is reported on
+every rank; a fetch's placeholder keeps its slot until that fetch has reported too.
+
+The wait allowance still applies after admission: every step the scheduler asks the
+cost model whether the request may wait on the fetches still out (`check`). When it
+may not, the reads not started are cancelled and the load is abandoned
+(`DraftOffloadMetadata.abandon_loads`): workers report the blocks of units that have
+not landed as load errors, and vLLM recomputes from the first of them, as it would
+have recomputed the chunks that had not landed when a waiting request gave up.
+
+The placeholders a hit is admitted with have no successor tokens yet (a fetched
+unit's header carries them): the hit is admitted as if they were the request's own,
+and each worker checks the header against the tokens the hit relies on when the unit
+lands; a unit stored with others is not copied and its blocks are recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_draft_offload.cpu_index import UnitId
+from vllm_draft_offload.l3_request import L3RequestState
+
+if TYPE_CHECKING:
+    from vllm_draft_offload.l3_prefetch import L3Prefetch
+
+
+class OverlapRestores:
+    """Requests admitted with their fetches in flight, and the loads restoring them.
+
+    A friend of `L3Prefetch`: it drives that class's request states and decisions."""
+
+    def __init__(self, prefetch: L3Prefetch, enabled: bool) -> None:
+        self.prefetch = prefetch
+        self.enabled = enabled
+        # Request -> its overlapped load job, while its fetches are still watched.
+        self._bound: dict[str, int] = {}
+        # Of those, requests whose load every rank reported (decided at the next check).
+        self._loaded: set[str] = set()
+
+    def offer(self, state: L3RequestState) -> bool:
+        """The request may go on waiting on its fetch: admit it now instead? Only a
+        fetch (not a probe, which times the storage) with a slot for every chosen
+        chunk (else the tail would wait on slots freeing up first)."""
+        if not self.enabled or state.phase != "fetch" or state.short or not state.jobs:
+            return False
+        state.overlap_offered = True
+        return True
+
+    def pending_units(self, req_id: str) -> dict[bytes, tuple[UnitId, int]]:
+        """Chunk key -> (placeholder, fetch job) of the units the request's admitted
+        hit may take before they land (empty: it is not admitted that way)."""
+        state = self.prefetch._requests.get(req_id)
+        if state is None or not state.overlap_offered or state.phase != "fetch":
+            return {}
+        units = self.prefetch.fetches.units
+        return {units[job][1][0]: (units[job][1], job) for job in state.jobs}
+
+    def release(self, req_id: str) -> None:
+        """The request was offered but is admitted otherwise (its hit ends before the
+        units still landing, an audit recomputes it, vLLM took no external tokens): it
+        stops waiting, as a request admitted with what landed does."""
+        state = self.prefetch._requests.get(req_id)
+        if state is None or not state.overlap_offered or state.load_job is not None:
+            return
+        state.overlap_offered = False
+        if state.phase != "done":
+            landed = state.leading_landed()
+            self.prefetch._finish(state, self.prefetch._outcome(state, landed), landed)
+
+    def bind(self, req_id: str, load_job: int) -> None:
+        """vLLM admitted the request; `load_job` restores it as its units land."""
+        state = self.prefetch._requests[req_id]
+        state.load_job = load_job
+        self._bound[req_id] = load_job
+
+    def landed_pin_needed(self, state: L3RequestState) -> bool:
+        """A landed unit is pinned for a waiting request; a bound one's load pins it."""
+        return state.load_job is None
+
+    def check(self) -> list[int]:
+        """Every step: the loads to abandon, whose fetches fell behind their allowance.
+        Requests whose fetches all reported stop being watched (decision logged)."""
+        abandon = []
+        prefetch = self.prefetch
+        for req_id, load_job in list(self._bound.items()):
+            state = prefetch._requests.get(req_id)
+            if state is None or state.phase == "done":
+                del self._bound[req_id]
+                self._loaded.discard(req_id)
+                continue
+            landed = state.leading_landed()
+            if not state.jobs or req_id in self._loaded:
+                # Fetches still out after the load (one failed, so the load stopped
+                # waiting for the later ones) land in the background.
+                prefetch._finish(state, prefetch._outcome(state, landed), landed)
+                del self._bound[req_id]
+                self._loaded.discard(req_id)
+            elif not prefetch._may_wait(state, landed):
+                # As a waiting request gives up: the reads not started are cancelled,
+                # the chunks that have not landed are recomputed.
+                prefetch._give_up(state, landed)
+                abandon.append(load_job)
+                del self._bound[req_id]
+        return abandon
+
+    def load_done(self, req_id: str) -> None:
+        """The request's load was reported on every rank. Its decision is taken at the
+        next `check`: the fetch reports of the step that completed it may come after it
+        in that step's output."""
+        if req_id in self._bound:
+            self._loaded.add(req_id)
