@@ -260,3 +260,24 @@ def test_overlap_can_be_turned_off(model_dirs: tuple[Path, Path], tmp_path: Path
 def test_a_bad_overlap_setting_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"l3\.overlap_restore"):
         parse_config({"cpu_bytes_to_use": 1 << 20, "l3": {"overlap_restore": "sometimes"}})
+
+
+def test_a_drain_does_not_hide_landings_from_overlapped_loads(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A fetch that lands between a step's get_transfer_results and its worker-metadata
+    drain is reported to the scheduler by the drain and must still reach the overlapped
+    loads at the next step (a real CPU engine waited forever on such a unit)."""
+    from vllm_draft_offload.l3_tier import FetchResult
+    from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
+
+    eng = l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}")
+    link = eng.worker.worker._l3_link
+    assert link is not None
+    link.l3.fetches_done.put(FetchResult(7, 0, (11,)))  # as a read thread reports one
+    meta = DraftOffloadWorkerMetadata()
+    link.drain(meta, None, True)
+    assert meta.completed_jobs == {7: 1}
+    assert [result.job_id for result in link.take_landings()] == [7]
+    assert link.take_landings() == []
+    eng.shutdown()

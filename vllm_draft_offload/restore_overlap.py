@@ -26,13 +26,27 @@ lands; a unit stored with others is not copied and its blocks are recomputed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from vllm_draft_offload.cpu_index import UnitId
+from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.l3_request import L3RequestState
 
-if TYPE_CHECKING:
-    from vllm_draft_offload.l3_prefetch import L3Prefetch
+
+class _Prefetch(Protocol):
+    """What this module drives of `l3_prefetch.L3Prefetch` (named here, not imported:
+    that module owns an `OverlapRestores`)."""
+
+    _requests: dict[str, L3RequestState]
+    fetches: FetchBook
+
+    def _may_wait(self, state: L3RequestState, landed: int) -> bool: ...
+
+    def _give_up(self, state: L3RequestState, landed: int) -> None: ...
+
+    def _finish(self, state: L3RequestState, outcome: str, landed: int) -> None: ...
+
+    def _outcome(self, state: L3RequestState, landed: int) -> str: ...
 
 
 class OverlapRestores:
@@ -40,7 +54,7 @@ class OverlapRestores:
 
     A friend of `L3Prefetch`: it drives that class's request states and decisions."""
 
-    def __init__(self, prefetch: L3Prefetch, enabled: bool) -> None:
+    def __init__(self, prefetch: _Prefetch, enabled: bool) -> None:
         self.prefetch = prefetch
         self.enabled = enabled
         # Request -> its overlapped load job, while its fetches are still watched.

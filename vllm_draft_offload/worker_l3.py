@@ -34,8 +34,10 @@ class L3Link:
         self.stats = stats
         # Store job -> its L3 write orders, held back until the scheduler's verdict.
         self._uncommitted_writes: dict[int, list[L3WriteOrder]] = {}
-        # Fetches taken off L3's queue early (take_landings), reported with the next drain.
+        # Fetches taken off L3's queue, to report with the next drain, and those that
+        # `take_landings` has not returned yet (a drain must not hide them from it).
         self._landed: list[FetchResult] = []
+        self._unseen: list[FetchResult] = []
 
     def apply_verdicts(self, meta: DraftOffloadMetadata) -> None:
         """This step's write announcements, cancels, and commit/abort verdicts."""
@@ -63,13 +65,18 @@ class L3Link:
             # Written once the scheduler confirms the job (l3_commit_jobs).
             self._uncommitted_writes[job.job_id] = job.l3_units
 
-    def take_landings(self) -> list[FetchResult]:
-        """Fetches finished since the last call, for overlapped loads to copy at once;
-        they are still reported to the scheduler with the next `drain`."""
-        new = []
+    def _pull(self) -> None:
         while not self.l3.fetches_done.empty():
-            new.append(self.l3.fetches_done.get())
-        self._landed += new
+            result = self.l3.fetches_done.get()
+            self._landed.append(result)
+            self._unseen.append(result)
+
+    def take_landings(self) -> list[FetchResult]:
+        """Fetches finished since the last call, for overlapped loads to copy at once
+        (also those a drain has reported meanwhile); each is still reported to the
+        scheduler with a `drain`."""
+        self._pull()
+        new, self._unseen = self._unseen, []
         return new
 
     def drain(
@@ -89,7 +96,7 @@ class L3Link:
             kind, write_id = l3.write_reports.get()
             counts = write_counts[kind]
             counts[write_id] = counts.get(write_id, 0) + 1
-        self.take_landings()
+        self._pull()
         landed, self._landed = self._landed, []
         for result in landed:
             if result.successors is None:
