@@ -23,7 +23,13 @@ from vllm_draft_offload.l3_tier import WorkerL3, object_key
 from vllm_draft_offload.worker_side import DraftOffloadWorker
 
 # Waiting on the storage is bounded by the test, not by the wait allowance.
-PATIENT = {"enabled": True, "timeout_s": 30.0, "hit_policy": "always", "io_threads": 2}
+PATIENT = {
+    "enabled": True,
+    "timeout_s": 30.0,
+    "hit_policy": "always",
+    "io_threads": 2,
+    "overlap_restore": True,
+}
 
 
 def restarted(model_dirs: tuple[Path, Path], url: str, tp: int = 1, **l3: Any) -> SimEngine:

@@ -62,6 +62,9 @@ def test_l3_variants_are_warm_restarts_with_their_settings(
         "spread_reads": True,
         "wait_past_allowance": False,
     }
+    overlap = args(config="ours_l3_overlap", l3_variant="overlap")
+    l3 = restore_engine.connector_config(overlap)["kv_connector_extra_config"]["l3"]
+    assert l3["overlap_restore"] is True
     for bad in (
         ["--l3-variants", "fast"],
         ["--l3-variants", "spread+spread"],

@@ -66,7 +66,9 @@ class L3Config(BaseModel):
     # it lands (restore_overlap.py): the fetch and the host-to-GPU restore overlap
     # instead of running one after the other. False: a storage hit is admitted once
     # its units sit in the CPU tier, then restored like any CPU hit. Off under `audit`.
-    overlap_restore: bool = True
+    # Off by default until it is measured on a GPU (session 17's only GPU run used a
+    # build before a fix of a restore that waited forever).
+    overlap_restore: bool = False
     # At shutdown, how long a worker waits for queued writes to land; the rest are
     # counted as l3_write_lost_shutdown.
     flush_timeout_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)

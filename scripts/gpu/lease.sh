@@ -61,6 +61,8 @@
 #             (about 1.5 min, estimated): /root/copy-table
 #   l3-probe2  restore-speed, recompute and ours_l3, 2 reps, restarts warmed up with a
 #             full-length prompt (recompute's first request: the no-connector control)
+#   l3-overlap  l3-probe2 plus a warm restart with l3.overlap_restore on (restore-speed
+#             --l3-variants overlap), side by side against the same stored units
 #   decode-prof  one profiled batch each of none/null/idle (torch.profiler: wall
 #             against GPU busy time): /root/decode_prof_small.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
@@ -176,6 +178,8 @@ declare -A CMD=(
   [copy-table]="bash scripts/gpu/copy_sweep.sh /root/copy-table 32:16:4"
   [l3-probe2]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
     --l3-dir /root/l3p2 --drop-caches --out /root/restore_speed_l3_probe2.json"
+  [l3-overlap]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
+    --l3-variants overlap --l3-dir /root/l3o --drop-caches --out /root/restore_speed_l3_overlap.json"
   [decode-prof]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle --reps 1 \
       --turn-prompts 0 --profile --out /root/decode_prof_small.json"
   [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
@@ -221,7 +225,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)

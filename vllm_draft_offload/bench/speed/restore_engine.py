@@ -23,6 +23,8 @@ VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "interval5": {"switch_interval_ms": None},
     # Two writes in flight instead of io_threads.
     "writes2": {"write_threads": 2},
+    # Overlapped restores (experimental, off by default): admitted while units land.
+    "overlap": {"overlap_restore": True},
 }
 
 
