@@ -370,3 +370,49 @@ def test_restart_units_are_removed_but_the_filled_ones_and_the_calibration(
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "a.data", "b.data", f"ns@1@0@1{calibration}@uint8.data",
     ]  # fmt: skip
+
+
+def test_the_output_is_rewritten_after_every_engine_and_a_hung_engine_is_cut_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 17: a warm restart hung, and restore-speed, which wrote its JSON only at
+    the end, lost every engine of the run. Now each engine's entry lands in the file
+    as it finishes (``complete`` false until the last), and an engine past
+    --engine-timeout is killed and recorded. Real child processes stand in for the
+    engines: each checks the file the engines before it left, then writes its result
+    (the second one hangs instead)."""
+    import sys
+
+    from vllm_draft_offload.bench import procs
+
+    out = tmp_path / "restore_speed.json"
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "out, child, config = sys.argv[1:4]\n"
+        "if config != 'recompute':\n"
+        "    seen = json.load(open(out))\n"
+        "    assert seen['complete'] is False and seen['table'] == [], seen\n"
+        "    assert list(seen['configs']) == ['recompute', 'native'][:1], seen\n"
+        "    time.sleep(300)\n"
+        "json.dump({'config': config, 'hit_s': [0.5]}, open(child, 'w'))\n"
+    )
+
+    def engine(cmd: list[str], env: dict[str, str], timeout_s: float | None):  # noqa: ANN202
+        config = cmd[cmd.index("--config") + 1]
+        child = cmd[cmd.index("--child") + 1]
+        return procs.run_child(
+            [sys.executable, str(script), str(out), child, config], env, timeout_s
+        )
+
+    monkeypatch.setattr(restore_speed, "run_child", engine)
+    monkeypatch.setattr(restore_speed, "summarize", lambda report: report.setdefault("summary", {}))
+    restore_speed.main(
+        ["--out", str(out), "--shape", "small", "--configs", "recompute,native",
+         "--engine-timeout", "5", "--l3-dir", str(tmp_path / "l3")]
+    )  # fmt: skip
+    final = json.loads(out.read_text())
+    assert final["complete"] is True
+    assert final["configs"]["recompute"]["hit_s"] == [0.5]
+    assert final["configs"]["native"]["error"].startswith("timeout after 5")
+    assert final["table"][0]["shape"] == "small"

@@ -38,6 +38,13 @@ def add_eager_or_compile(parser: argparse.ArgumentParser) -> None:
 def add_child_args(parser: argparse.ArgumentParser) -> None:
     """The hidden options a benchmark passes to its own child process (one engine per
     process: `--child OUT.json` with the model paths and the configuration to run)."""
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=900.0,
+        help="seconds one engine's child process may run; past it the engine is killed, "
+        "its entry records the timeout, and the run goes on (default 900)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--draft", help=argparse.SUPPRESS)

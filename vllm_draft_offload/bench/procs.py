@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import tempfile
 import time
 
 # how long a finished run's engine processes get to leave on their own
@@ -38,3 +40,30 @@ def reap_group(pgid: int, grace_s: float = LEAVE_GRACE_S) -> bool:
         return False
     kill_group(pgid)
     return True
+
+
+def run_child(
+    cmd: list[str], env: dict[str, str], timeout_s: float | None
+) -> subprocess.CompletedProcess[str]:
+    """Run one engine's child process in a group of its own and capture its output.
+    Past ``timeout_s`` the whole group is killed and the result has return code 124 and
+    a ``timeout after ...`` line ahead of its stderr: a hung engine costs the benchmark
+    that engine, not the run (session 17: a restart that never finished kept
+    restore-speed, and its one JSON at the end, waiting until the lease ran out).
+    Output goes to files, not pipes: a process the child left behind (an EngineCore)
+    keeps a pipe open, and reading it to the end would wait for that process too."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True
+        )
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+            note = ""
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            proc.wait()
+            returncode, note = 124, f"timeout after {timeout_s}s\n"
+        reap_group(proc.pid)  # engine processes the child left behind hold GPU memory
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, returncode, out.read(), note + err.read())

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +71,7 @@ import numpy as np
 
 from vllm_draft_offload.bench.kv_configs import native_offloading_config
 from vllm_draft_offload.bench.options import add_child_args, command_parser
+from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.decode_report import (
     acceptance_length,
@@ -437,7 +437,7 @@ def run_shape(
             env = {**CPU_ENV, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if args.time_hooks or args.profile:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in the child's process
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = run_child(cmd, env, args.engine_timeout)
         if proc.returncode != 0 or not child_out.exists():
             run = {"error": proc.stderr[-3000:], "stdout_tail": proc.stdout[-2000:]}
         else:

@@ -74,13 +74,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from vllm_draft_offload.bench.options import add_child_args, command_parser
+from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.copy import pinned_memcpy_gbps
 from vllm_draft_offload.bench.speed.disk_baseline import cache, evict, measure
@@ -224,12 +225,34 @@ def main(argv: list[str] | None = None) -> None:
     for name in shapes:
         # Each shape fills its own L3 directory: units of another shape never hit.
         l3_dir = l3_root if len(shapes) == 1 else l3_root / name
-        reports[name] = run_shape(args, name, work / name, l3_dir, common, raw_disk)
+        reports[name] = run_shape(
+            args,
+            name,
+            work / name,
+            l3_dir,
+            common,
+            raw_disk,
+            checkpoint=lambda partial, name=name: write_out(
+                Path(args.out), {**reports, name: partial}, common, complete=False
+            ),
+        )
         raw_disk = reports[name].get("raw_disk", raw_disk)
-    out = combine(reports, common)
+    out = write_out(Path(args.out), reports, common, complete=True)
     print(json.dumps(out["table"], indent=1), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def write_out(
+    path: Path, reports: dict[str, dict[str, Any]], common: dict[str, Any], complete: bool
+) -> dict[str, Any]:
+    """The output file, rewritten after every engine: ``complete`` False while engines
+    are still to run (a shape's summary and table line come after its last engine), so
+    an engine that hangs or a lease that ends costs only what had not run."""
+    out = {**combine(reports, common), "complete": complete}
+    if not complete:
+        out["table"] = []  # a shape's line needs its summary, made after its last engine
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    return out
 
 
 def run_shape(
@@ -239,8 +262,10 @@ def run_shape(
     l3_dir: Path,
     common: dict[str, Any],
     raw_disk: dict[str, Any] | None,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every configuration's engine at one shape, one after another; the shape's report."""
+    """Every configuration's engine at one shape, one after another; the shape's report.
+    ``checkpoint`` gets the report after every engine."""
     l3_dir.mkdir(parents=True, exist_ok=True)
     target_shape, draft_shape = SHAPES[name]
     target = write_config(work / "target", target_shape, args.tokens + 64)
@@ -319,7 +344,7 @@ def run_shape(
             cmd += ["--draft", draft]
         if args.enforce_eager:
             cmd.append("--enforce-eager")
-        proc = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True)
+        proc = run_child(cmd, os.environ.copy(), args.engine_timeout)
         if proc.returncode != 0 or not child_out.exists():
             report["configs"][config] = {"error": proc.stderr[-3000:]}
         else:
@@ -336,6 +361,8 @@ def run_shape(
             # disk (session 11: five restarts of 6 x 2.4 GB filled a 64 GiB one).
             report["configs"][config]["units_removed"] = remove_units_but(l3_dir, filled)
         print(name, config, json.dumps(report["configs"][config])[:400], flush=True)
+        if checkpoint is not None:
+            checkpoint(report)
     summarize(report)
     return report
 
