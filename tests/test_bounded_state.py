@@ -320,6 +320,9 @@ def test_connector_state_is_bounded_after_a_long_run_with_faults(
     assert fallbacks.get("store_error") and fallbacks.get("l3_write_dropped")
     assert fallbacks.get("store_failed")  # L3 writes failed (outages)
 
+    # The scheduler's overlapped-load bookkeeping (restore_overlap.OverlappedLoads) is
+    # walked, so the check below holds it to empty when idle.
+    assert {"scheduler.overlap._loads", "scheduler.overlap._abandon"} <= idle.keys()
     held = {
         path: (warm.get(path), size)
         for path, size in idle.items()

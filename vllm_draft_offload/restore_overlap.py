@@ -22,15 +22,24 @@ The placeholders a hit is admitted with have no successor tokens yet (a fetched
 unit's header carries them): the hit is admitted as if they were the request's own,
 and each worker checks the header against the tokens the hit relies on when the unit
 lands; a unit stored with others is not copied and its blocks are recomputed.
+
+`OverlapRestores` (owned by `l3_prefetch.L3Prefetch`) watches the requests and their
+fetches; `OverlappedLoads` (owned by `scheduler_side.DraftOffloadScheduler`) keeps the
+load jobs: the placeholders each pinned, the loads to abandon, and what a request is
+left with once its load is reported.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from vllm_draft_offload.cpu_index import UnitId
+from vllm_draft_offload.hit_logic import PrefixMatch
+from vllm_draft_offload.job_book import JobBook, JobRecord
 from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.l3_request import L3RequestState
+from vllm_draft_offload.request_state import RequestState
 
 
 class _Prefetch(Protocol):
@@ -134,3 +143,95 @@ class OverlapRestores:
         in that step's output."""
         if req_id in self._bound:
             self._loaded.add(req_id)
+
+
+class OverlappedLoads:
+    """The scheduler's overlapped load jobs: the placeholders each pinned, the loads to
+    abandon, and the request's restore once its load is reported. Idle without
+    storage (`restores` None) or `l3.overlap_restore`."""
+
+    def __init__(self, restores: OverlapRestores | None, jobs: JobBook, chunk_size: int) -> None:
+        self.restores = restores
+        self.jobs = jobs
+        self.chunk_size = chunk_size
+        # Overlapped loads in flight: load job -> placeholders of units still landing
+        # when it was planned, and loads to abandon (sent with the next step).
+        self._loads: dict[int, set[UnitId]] = {}
+        self._abandon: list[int] = []
+
+    def landing(self, req_id: str) -> dict[bytes, tuple[UnitId, int]]:
+        """Chunk key -> (placeholder, fetch job) of the units still landing that the
+        request's hit may take (`OverlapRestores.pending_units`)."""
+        assert self.restores is not None
+        return self.restores.pending_units(req_id)
+
+    def taken(
+        self, req_id: str, landing: dict[bytes, tuple[UnitId, int]], match: PrefixMatch
+    ) -> dict[UnitId, int] | None:
+        """Placeholder -> fetch job of the landing units `match` takes (None: it takes
+        none, and the request stops being offered an overlapped admission)."""
+        used = {view.handle for _, view in match.chunks}
+        taken = {placeholder: job for placeholder, job in landing.values() if placeholder in used}
+        if not taken and self.restores is not None:
+            self.restores.release(req_id)
+        return taken or None
+
+    def release(self, state: RequestState) -> None:
+        """The request is not admitted with units still landing after all."""
+        if state.pending_fetches is not None and self.restores is not None:
+            state.pending_fetches = None
+            self.restores.release(state.request.request_id)
+
+    def bind(
+        self,
+        req_id: str,
+        load_job: int,
+        landing: Iterable[UnitId],
+        units: Iterable[UnitId],
+    ) -> None:
+        """vLLM admitted the request; `load_job` loads `units`, of them the `landing`
+        placeholders as they land."""
+        assert self.restores is not None
+        self.restores.bind(req_id, load_job)
+        self._loads[load_job] = set(landing) & set(units)
+
+    def check(self) -> None:
+        """Every step: overlapped restores whose fetches fell behind are abandoned
+        (recompute what has not landed)."""
+        if self.restores is not None:
+            self._abandon += self.restores.check()
+
+    def abandon(self, load_jobs: Iterable[int]) -> None:
+        """The requests of these loads finished while waiting on them (aborted): an
+        overlapped load stops waiting for its fetches, so vLLM gets the blocks back."""
+        self._abandon += [job for job in load_jobs if job in self._loads]
+
+    def take_abandoned(self) -> list[int]:
+        """The loads to abandon, sent with this step (`DraftOffloadMetadata.abandon_loads`)."""
+        abandoned, self._abandon = self._abandon, []
+        return abandoned
+
+    def rekey(self, placeholder: UnitId, final: UnitId) -> None:
+        """A unit an overlapped load pinned as a placeholder got its final identity."""
+        for job_id, placeholders in self._loads.items():
+            if placeholder in placeholders and (record := self.jobs.get(job_id)) is not None:
+                placeholders.discard(placeholder)
+                record.units = [final if unit == placeholder else unit for unit in record.units]
+
+    def reported(self, job_id: int, state: RequestState | None, record: JobRecord) -> None:
+        """Every rank reported the job; nothing to do unless it is an overlapped load.
+        vLLM has already cut the request's computed tokens at the first block any rank
+        reported as not loaded (it handles those before this output's connector
+        report): what it recomputes from there is computed on a sound prefix, so it is
+        stored again."""
+        if job_id not in self._loads:
+            return
+        del self._loads[job_id]
+        if self.restores is not None:
+            self.restores.load_done(record.req_id)
+        if state is None:
+            return
+        computed = state.request.num_computed_tokens
+        state.restored_tokens = min(state.restored_tokens, max(0, computed - state.hit_start))
+        state.storage_tokens = min(state.storage_tokens, state.restored_tokens)
+        state.next_store_chunk = min(state.next_store_chunk, computed // self.chunk_size)

@@ -1,7 +1,9 @@
 """Scheduler half of the connector: lookups, load/store planning, bookkeeping.
 
 It never touches tensors. It decides which host slot every unit lives in and
-tells the workers what to copy; workers report back which jobs are done.
+tells the workers what to copy; workers report back which jobs are done. The
+CPU-tier prefix match is cpu_lookup.py's, the per-request record request_state.py's,
+and the load jobs of overlapped restores restore_overlap.py's `OverlappedLoads`.
 """
 
 from __future__ import annotations
@@ -9,21 +11,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_draft_offload.audit import RecomputeAudit
 from vllm_draft_offload.chunk_keys import ChunkKeyChain, make_salt, request_salt
 from vllm_draft_offload.config import DraftOffloadConfig
-from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
+from vllm_draft_offload.cpu_index import CpuTierIndex
+from vllm_draft_offload.cpu_lookup import CpuTierLookup, Landing
 from vllm_draft_offload.geometry import UnitLayout
-from vllm_draft_offload.hit_logic import (
-    PrefixMatch,
-    StoredUnitView,
-    common_prefix_length,
-    match_prefix,
-    tokens_in_chunks,
-)
+from vllm_draft_offload.hit_logic import PrefixMatch, tokens_in_chunks
 from vllm_draft_offload.job_book import JobBook, JobRecord
 from vllm_draft_offload.l3_writes import L3WritePlanner, part_remover
 from vllm_draft_offload.load_planner import plan_load
@@ -33,6 +29,8 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.request_state import RequestState
+from vllm_draft_offload.restore_overlap import OverlappedLoads
 from vllm_draft_offload.store_planner import (
     blocks_being_loaded,
     loads_read_by,
@@ -56,24 +54,6 @@ logger = logging.getLogger(__name__)
 STALL_S = 60.0
 
 
-@dataclass
-class RequestState:
-    request: Request
-    keys: ChunkKeyChain
-    # Chunks below this index were stored or found already stored.
-    next_store_chunk: int = 0
-    pending_match: PrefixMatch | None = None
-    inflight_jobs: set[int] = field(default_factory=set)
-    restored_tokens: int = 0
-    # Of the last admitted hit, tokens in units storage supplied while it waited.
-    storage_tokens: int = 0
-    # The pending match takes units still landing from storage: placeholder -> fetch
-    # job (an overlapped restore, restore_overlap.py); None: it takes none.
-    pending_fetches: dict[UnitId, int] | None = None
-    # Where the last admitted hit starts (its restore is counted from there).
-    hit_start: int = 0
-
-
 class DraftOffloadScheduler:
     def __init__(
         self,
@@ -93,7 +73,6 @@ class DraftOffloadScheduler:
         # Tokens per request in a decode step (1 + speculative tokens): a step whose
         # loading requests are no longer than this may be replayed as a full CUDA graph.
         self.decode_query_len = decode_query_len
-        self.min_compute_tokens = min_compute_tokens
         # Hits load asynchronously (see DraftOffloadConnector): the request waits
         # one step, and a failed load is reported per request, not per block.
         self.async_loads = async_loads
@@ -109,12 +88,11 @@ class DraftOffloadScheduler:
         # wait for before writing (commit) or dropping (abort) them, sent next step.
         self._l3_commits: list[int] = []
         self._l3_aborts: list[int] = []
-        # Overlapped loads in flight: load job -> placeholders of units still landing
-        # when it was planned, and loads to abandon (sent with the next step).
-        self._overlapped_loads: dict[int, set[UnitId]] = {}
-        self._abandon_loads: list[int] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self.stats = DraftOffloadStats()
+        self.cpu_lookup = CpuTierLookup(
+            self.index, layout, num_successors, min_compute_tokens, self.stats
+        )
         self.l3: L3Prefetch | None = None
         if config.l3.enabled:
             # LMCache is imported only when its tier is configured.
@@ -134,7 +112,12 @@ class DraftOffloadScheduler:
                 # has none yet.
                 overlap=config.l3.overlap_restore and not config.audit,
             )
-            self.l3.on_rekey = self._rekey_loading_unit
+        # Overlapped restores' load jobs (restore_overlap.py).
+        self.overlap = OverlappedLoads(
+            self.l3.overlap if self.l3 is not None else None, self.jobs, self.chunk_size
+        )
+        if self.l3 is not None:
+            self.l3.on_rekey = self.overlap.rekey
         self.l3_writes: L3WritePlanner | None = None
         if self.l3 is not None:
             self.l3_writes = L3WritePlanner(
@@ -183,43 +166,11 @@ class DraftOffloadScheduler:
     def on_new_request(self, request: Request) -> None:
         self._state(request)
 
-    def _lookup(
-        self,
-        chunk_key: bytes,
-        successors: tuple[int, ...],
-        landing: dict[bytes, tuple[UnitId, int]] | None = None,
-    ) -> tuple[StoredUnitView | None, StoredUnitView | None]:
-        exact = self.index.get((chunk_key, successors))
-        if exact is not None and exact.ready:
-            return StoredUnitView(exact.unit_id, successors, exact.has_state), None
-        if landing and chunk_key in landing:
-            # Still landing from storage: taken as if stored with the request's own
-            # successors; each worker checks the header's when it lands (overlap_loads).
-            return StoredUnitView(landing[chunk_key][0], successors), None
-        variants = self.index.ready_variants(chunk_key)
-        if not variants:
-            return None, None
-        best = max(variants, key=lambda e: common_prefix_length(e.successors, successors))
-        return None, StoredUnitView(best.unit_id, best.successors, best.has_state)
-
     def _match(
-        self,
-        state: RequestState,
-        num_computed_tokens: int,
-        landing: dict[bytes, tuple[UnitId, int]] | None = None,
+        self, state: RequestState, num_computed_tokens: int, landing: Landing | None = None
     ) -> PrefixMatch:
-        tokens = state.request.all_token_ids
-        keys = state.keys.extend(tokens)
-        return match_prefix(
-            keys,
-            tokens,
-            num_computed_tokens,
-            self.chunk_size,
-            self.num_successors,
-            lambda key, successors: self._lookup(key, successors, landing),
-            self.min_compute_tokens,
-            can_end=self.layout.restorable,
-            needs_state=bool(self.layout.state_groups),
+        return self.cpu_lookup.match(
+            state.keys, state.request.all_token_ids, num_computed_tokens, landing
         )
 
     def get_num_new_matched_tokens(
@@ -239,38 +190,17 @@ class DraftOffloadScheduler:
                 return None, False
             # Units fetched from L3 are in the CPU tier now, or still landing for an
             # overlapped restore.
-            landing = self.l3.overlap.pending_units(request.request_id)
+            landing = self.overlap.landing(request.request_id)
             match = self._match(state, num_computed_tokens, landing)
-            used = {view.handle: view for _, view in match.chunks}
-            state.pending_fetches = {
-                placeholder: job for placeholder, job in landing.values() if placeholder in used
-            } or None
-            if state.pending_fetches is None:
-                self.l3.overlap.release(request.request_id)
+            state.pending_fetches = self.overlap.taken(request.request_id, landing, match)
         state.pending_match = match
         if self.audit.divert(request.request_id, match):
-            self._release_overlap(state)
+            self.overlap.release(state)
             return 0, False  # audited: vLLM recomputes the prefix, compared at store time
         # An overlapped restore always loads asynchronously: the forward must never
         # wait on storage reads.
         asynchronous = self.async_loads or state.pending_fetches is not None
         return match.num_tokens, asynchronous and match.num_tokens > 0
-
-    def _release_overlap(self, state: RequestState) -> None:
-        """The request is not admitted with units still landing after all."""
-        if state.pending_fetches is not None and self.l3 is not None:
-            state.pending_fetches = None
-            self.l3.overlap.release(state.request.request_id)
-
-    def _record_admission(self, match: PrefixMatch, num_tokens: int) -> None:
-        """Lookup stats, once per admitted request (vLLM may ask several times)."""
-        lookable = max(0, num_tokens // self.chunk_size - match.start_token // self.chunk_size)
-        self.stats.record_lookup("cpu", len(match.chunks), max(0, lookable - len(match.chunks)))
-        if match.chunks:
-            # Tokens whose KV was stored but which are computed anyway: the
-            # successor rule and the tokens a request must compute itself.
-            last_chunk_end = (match.chunks[-1][0] + 1) * self.chunk_size
-            self.stats.record_recomputed_tokens(max(0, last_chunk_end - match.end_token))
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -280,11 +210,11 @@ class DraftOffloadScheduler:
             return
         match, state.pending_match = state.pending_match, None
         if match is None:
-            self._release_overlap(state)
+            self.overlap.release(state)
             return
-        self._record_admission(match, request.num_tokens)
+        self.cpu_lookup.record_admission(match, request.num_tokens)
         if num_external_tokens == 0 or match.num_tokens == 0:
-            self._release_overlap(state)
+            self.overlap.release(state)
             return
         if match.num_tokens != num_external_tokens:
             # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
@@ -326,9 +256,7 @@ class DraftOffloadScheduler:
             ),
         )
         if landing is not None:
-            assert self.l3 is not None
-            self.l3.overlap.bind(request.request_id, job.job_id)
-            self._overlapped_loads[job.job_id] = set(landing) & set(plan.units)
+            self.overlap.bind(request.request_id, job.job_id, landing, plan.units)
         state.inflight_jobs.add(job.job_id)
         state.hit_start = match.start_token
         state.restored_tokens = max(0, plan.loaded_end - match.start_token)
@@ -413,7 +341,7 @@ class DraftOffloadScheduler:
         if self.l3 is not None:
             meta.l3_reads_waiting = self.l3.any_waiting()
             # Overlapped restores whose fetches fell behind: recompute what has not landed.
-            self._abandon_loads += self.l3.overlap.check()
+            self.overlap.check()
             # Step timing for the L3 cost model: (new tokens, context) per request.
             self.l3.cost.step_scheduled(
                 [
@@ -423,7 +351,7 @@ class DraftOffloadScheduler:
                 ],
                 loads=bool(meta.loads),
             )
-        meta.abandon_loads, self._abandon_loads = self._abandon_loads, []
+        meta.abandon_loads = self.overlap.take_abandoned()
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         self.pins.take_state_offers(
             getattr(scheduler_output, "kv_connector_block_state", None),
@@ -512,7 +440,7 @@ class DraftOffloadScheduler:
             # store, and vLLM holds its blocks until the load is reported in
             # finished_recving. A finishing store would free them a second time. An
             # overlapped load stops waiting for its fetches, so the blocks come back.
-            self._abandon_loads += [j for j in waiting_loads if j in self._overlapped_loads]
+            self.overlap.abandon(waiting_loads)
             self.pins.forget(request.request_id)
             return False, None
         job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
@@ -568,8 +496,7 @@ class DraftOffloadScheduler:
             # load it was computed on applied: wrong KV never reaches storage.
             (self._l3_aborts if record.failed else self._l3_commits).append(job_id)
         state = self._requests.get(record.req_id)
-        if job_id in self._overlapped_loads:
-            self._overlapped_load_done(job_id, state, record)
+        self.overlap.reported(job_id, state, record)
         if state is not None:
             state.inflight_jobs.discard(job_id)
             if record.failed:
@@ -584,30 +511,6 @@ class DraftOffloadScheduler:
                 self.index.remove(unit_id)
             else:
                 self.index.commit(unit_id)
-
-    def _rekey_loading_unit(self, placeholder: UnitId, final: UnitId) -> None:
-        """A unit an overlapped load pinned as a placeholder got its final identity."""
-        for job_id, placeholders in self._overlapped_loads.items():
-            if placeholder in placeholders and (record := self.jobs.get(job_id)) is not None:
-                placeholders.discard(placeholder)
-                record.units = [final if unit == placeholder else unit for unit in record.units]
-
-    def _overlapped_load_done(
-        self, job_id: int, state: RequestState | None, record: JobRecord
-    ) -> None:
-        """Every rank reported the overlapped load. vLLM has already cut the request's
-        computed tokens at the first block any rank reported as not loaded (it handles
-        those before this output's connector report): what it recomputes from there is
-        computed on a sound prefix, so it is stored again."""
-        del self._overlapped_loads[job_id]
-        if self.l3 is not None:
-            self.l3.overlap.load_done(record.req_id)
-        if state is None:
-            return
-        computed = state.request.num_computed_tokens
-        state.restored_tokens = min(state.restored_tokens, max(0, computed - state.hit_start))
-        state.storage_tokens = min(state.storage_tokens, state.restored_tokens)
-        state.next_store_chunk = min(state.next_store_chunk, computed // self.chunk_size)
 
     def _after_failure(self, state: RequestState, job_id: int, record: JobRecord) -> None:
         if record.direction == "load":
