@@ -226,9 +226,12 @@ def test_fetch_failing_after_admission_recomputes_from_there(
     assert eng.outputs["restart"] == first.outputs["fresh"]
     published = eng.take_published()
     assert published["refused"] == {"object_missing": 1}
-    # Chunk 2 was recomputed on the sound prefix and stored (chunks 3-4 landed: their
-    # units sit in the CPU tier already).
-    assert published["chunks"]["store/cpu"] == 1
+    # Chunk 2 was recomputed on the sound prefix and stored. Chunks 3-4 are recomputed
+    # too (vLLM cut the hit at chunk 2). Whether their fetched units sit in the CPU tier
+    # before the recompute's stores are planned is timing: usually they do and are not
+    # stored again, but with three runs of this file at once on 2 cores one run stored
+    # 2. Either way the CPU tier then holds all five, sound (below).
+    assert 1 <= published["chunks"]["store/cpu"] <= 3
 
     eng.evict_gpu_kv()
     eng.add_request("again", tokens, max_tokens=3)
