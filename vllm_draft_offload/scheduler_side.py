@@ -70,6 +70,9 @@ class DraftOffloadScheduler:
         self.layout = layout
         self.chunk_size = layout.chunk_size
         self.num_successors = num_successors
+        # Tokens a restored request computes itself (the hit rule uses it in cpu_lookup;
+        # kept here too, as num_successors is: the settings derived from vLLM's config).
+        self.min_compute_tokens = min_compute_tokens
         # Tokens per request in a decode step (1 + speculative tokens): a step whose
         # loading requests are no longer than this may be replayed as a full CUDA graph.
         self.decode_query_len = decode_query_len
