@@ -70,9 +70,6 @@ class DraftOffloadScheduler:
         self.layout = layout
         self.chunk_size = layout.chunk_size
         self.num_successors = num_successors
-        # Tokens a restored request computes itself (the hit rule uses it in cpu_lookup;
-        # kept here too, as num_successors is: the settings derived from vLLM's config).
-        self.min_compute_tokens = min_compute_tokens
         # Tokens per request in a decode step (1 + speculative tokens): a step whose
         # loading requests are no longer than this may be replayed as a full CUDA graph.
         self.decode_query_len = decode_query_len
@@ -146,6 +143,12 @@ class DraftOffloadScheduler:
             self.stats,
             lambda: next(self._job_ids),
         )
+
+    @property
+    def min_compute_tokens(self) -> int:
+        """Tokens a restored request computes itself (derived from vLLM's config; the
+        CPU-tier lookup's hit rule applies it)."""
+        return self.cpu_lookup.min_compute_tokens
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
