@@ -12,6 +12,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from typing import IO, Any
 
 # how long a finished run's engine processes get to leave on their own
 LEAVE_GRACE_S = 10.0
@@ -42,28 +43,47 @@ def reap_group(pgid: int, grace_s: float = LEAVE_GRACE_S) -> bool:
     return True
 
 
+def run_in_group(
+    cmd: list[str],
+    env: dict[str, str],
+    stdout: IO[Any] | int,
+    stderr: IO[Any] | int,
+    timeout_s: float | None,
+    leave_grace_s: float = LEAVE_GRACE_S,
+) -> tuple[int | None, bool]:
+    """Run ``cmd`` in a process group of its own, its output to ``stdout``/``stderr``
+    (files, or ``subprocess.STDOUT``). On timeout (None as the return code) or Ctrl-C
+    the whole group is killed; in every case what is left of it is reaped afterwards
+    (`reap_group`; True: something had to be killed). Files, not pipes: a process the
+    child left behind (an EngineCore) keeps a pipe open, and reading it to the end would
+    wait for that process too."""
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+    try:
+        returncode: int | None = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        proc.wait()
+        returncode = None
+    except BaseException:
+        kill_group(proc.pid)
+        proc.wait()
+        raise
+    return returncode, reap_group(proc.pid, leave_grace_s)
+
+
 def run_child(
     cmd: list[str], env: dict[str, str], timeout_s: float | None
 ) -> subprocess.CompletedProcess[str]:
-    """Run one engine's child process in a group of its own and capture its output.
-    Past ``timeout_s`` the whole group is killed and the result has return code 124 and
-    a ``timeout after ...`` line ahead of its stderr: a hung engine costs the benchmark
-    that engine, not the run (session 17: a restart that never finished kept
-    restore-speed, and its one JSON at the end, waiting until the lease ran out).
-    Output goes to files, not pipes: a process the child left behind (an EngineCore)
-    keeps a pipe open, and reading it to the end would wait for that process too."""
+    """Run one engine's child process (`run_in_group`) and capture its output. Past
+    ``timeout_s`` the result has return code 124 and a ``timeout after ...`` line ahead
+    of its stderr: a hung engine costs the benchmark that engine, not the run (session
+    17: a restart that never finished kept restore-speed, and its one JSON at the end,
+    waiting until the lease ran out)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True
-        )
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-            note = ""
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid)
-            proc.wait()
-            returncode, note = 124, f"timeout after {timeout_s}s\n"
-        reap_group(proc.pid)  # engine processes the child left behind hold GPU memory
+        returncode, _ = run_in_group(cmd, env, out, err, timeout_s)
+        note = "" if returncode is not None else f"timeout after {timeout_s}s\n"
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(cmd, returncode, out.read(), note + err.read())
+        return subprocess.CompletedProcess(
+            cmd, 124 if returncode is None else returncode, out.read(), note + err.read()
+        )

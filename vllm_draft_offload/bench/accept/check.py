@@ -72,7 +72,7 @@ from vllm_draft_offload.bench.accept.restart import (
 )
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Environment, RunConfig
 from vllm_draft_offload.bench.options import command_parser
-from vllm_draft_offload.bench.procs import kill_group, reap_group
+from vllm_draft_offload.bench.procs import run_in_group
 
 EXAMPLES = """examples:
   # parity of vLLM's OffloadingConnector with an EAGLE head (fixtures from `fixtures`)
@@ -149,23 +149,15 @@ def run_engine_subprocess(
     cfg_path = result_path.with_suffix(".config.json")
     cfg_path.write_text(cfg.model_dump_json(indent=1))
     cmd = [sys.executable, "-m", ENGINE_MODULE, str(cfg_path), str(result_path)]
-    # own session: on timeout the whole group (vLLM's worker processes too) is killed
-    proc = subprocess.Popen(
-        cmd,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        out, _ = proc.communicate()
-        return 124, f"timeout after {timeout_s}s\n{(out or '')[-4000:]}", out or ""
-    reap_group(proc.pid)  # engine processes the child left behind hold GPU memory
-    return proc.returncode, (out or "")[-8000:], out or ""
+    # own process group: on timeout the whole group (vLLM's worker processes too) is
+    # killed, and engine processes the child left behind (holding GPU memory) are reaped
+    with tempfile.TemporaryFile("w+") as fh:
+        rc, _ = run_in_group(cmd, child_env(), fh, subprocess.STDOUT, timeout_s)
+        fh.seek(0)
+        out = fh.read()
+    if rc is None:
+        return 124, f"timeout after {timeout_s}s\n{out[-4000:]}", out
+    return rc, out[-8000:], out
 
 
 def finish_result(

@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm_draft_offload.bench import PACKAGE_PARENT
 from vllm_draft_offload.bench.options import command_parser
-from vllm_draft_offload.bench.procs import LEAVE_GRACE_S, kill_group, reap_group
+from vllm_draft_offload.bench.procs import LEAVE_GRACE_S, run_in_group
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.workloads.report import write_report
 from vllm_draft_offload.bench.workloads.specs import (
@@ -199,22 +199,10 @@ def run_subprocess(
     EngineCore/worker children never outlive the run holding GPU memory."""
     t0 = time.perf_counter()
     with log.open("ab") as fh:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid)
-            proc.wait()
-            rc = -9
-        except BaseException:
-            kill_group(proc.pid)
-            proc.wait()
-            raise
-        if reap_group(proc.pid, leave_grace_s):
+        rc, left_behind = run_in_group(cmd, env, fh, subprocess.STDOUT, timeout, leave_grace_s)
+        if left_behind:
             fh.write(b"\n[run] killed engine processes left behind by the run\n")
-    return rc, time.perf_counter() - t0
+    return (-9 if rc is None else rc), time.perf_counter() - t0
 
 
 def measure_memcpy(out: Path, gib: float, dry_run: bool, timeout: float) -> dict[str, Any]:
