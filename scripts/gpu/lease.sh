@@ -18,9 +18,10 @@
 #             long-context stage (fixtures --long-context 32768; H100: 283 s)
 #   fx-long-all  build /root/fx-long (eagle3, glm-mtp) and /root/fx-long2 (glm-mtp2,
 #             dsv3-mla-mtp), each with the 32k stage, side by side
-#   accept-long2  32,000-token prompts: native, LMCache and the prefix-cache control for
-#             eagle3 and glm-mtp; none, hit, corrupt, ours, ours_l3, native and LMCache for
-#             glm-mtp2 and dsv3-mla-mtp: /root/acc-long2
+#   accept-long2  32,000-token prompts, JOBS=6: native, LMCache and the prefix-cache
+#             control for eagle3 and glm-mtp; ours_l3 and LMCache for glm-mtp2 (the rest
+#             ran in session 17); none, hit, corrupt, ours, ours_l3, native and LMCache
+#             for dsv3-mla-mtp: /root/acc-long2
 #   accept-long  32,000-token prompts on /root/fx-long: none, corrupt and ours for eagle3
 #             and glm-mtp, and ours_l3 (storage after a restart): /root/acc-long
 #   accept    the acceptance runs still missing (MTP, sliding windows, storage restart,
@@ -111,9 +112,11 @@ accept_cmd() {
     local l2=() f2=()
     for f in eagle3:eagle3 glm-mtp:mtp; do
       for c in hit native lmcache; do l2+=("${f%%:*}-$c:${f#*:}:${f%%:*}:$c"); done; done
-    for f in glm-mtp2 dsv3-mla-mtp; do
-      for c in none hit corrupt ours ours_l3 native lmcache; do f2+=("$f-$c:mtp:$f:$c"); done; done
-    echo "export JOBS=4 ACCEPT_ARGS='--prompt-tokens 32000' ACCEPT_TIMEOUT=600
+    # glm-mtp2's none, hit, corrupt, ours and native ran in session 17 (H100, lease 2).
+    for c in ours_l3 lmcache; do f2+=("glm-mtp2-$c:mtp:glm-mtp2:$c"); done
+    for c in none hit corrupt ours ours_l3 native lmcache; do
+      f2+=("dsv3-mla-mtp-$c:mtp:dsv3-mla-mtp:$c"); done
+    echo "export JOBS=\${JOBS:-6} ACCEPT_ARGS='--prompt-tokens 32000' ACCEPT_TIMEOUT=600
     bash scripts/gpu/accept_runs.sh /root/fx-long2 /root/acc-long2 ${f2[*]}
     bash scripts/gpu/accept_runs.sh /root/fx-long /root/acc-long2 ${l2[*]}"; return ;;
   mtp) echo "export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-mtp ${mtp[*]}"; return ;;
