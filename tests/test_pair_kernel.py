@@ -284,3 +284,45 @@ def test_route_layers_picks_the_pair_kernel_where_it_should(
         gpu_blocks = [b[:2] for b in gpu_blocks]
     batch = copier.copies.pairs(host_pages, gpu_blocks)
     assert route_layers(copier, batch, "load") == want
+
+
+@pytest.mark.parametrize("to_host", [False, True])
+@pytest.mark.parametrize("tile", [16, 2048, 16 * 1024])
+def test_the_compiled_pair_kernel_moves_16_bytes_per_access(tile: int, to_host: bool) -> None:
+    """Compiled for an H100 (sm_90) without a GPU (the interpreter does not compile):
+    the computed addresses keep page_kernel's 16-byte vector loads and stores, all of a
+    thread's share of a block in flight before the first store."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler import compile as triton_compile
+    except ImportError as exc:  # pragma: no cover - a Triton without these entry points
+        pytest.skip(f"Triton's compiler API is not there: {exc}")
+    from vllm_draft_offload import page_kernel
+
+    source = ASTSource(
+        fn=pair_kernel._jitted(False),
+        signature={
+            "pairs": "*i64",
+            "pair_stride": "i64",
+            "n_pairs": "i64",
+            "layers": "*i64",
+            "first_row": "i32",
+            "n_rows": "i32",
+            "n_tiles": "i32",
+            "TO_HOST": "constexpr",
+            "TILE_WORDS": "constexpr",
+            "ROWS": "constexpr",
+        },
+        constexprs={"TO_HOST": to_host, "TILE_WORDS": tile // 8, "ROWS": PageKernel(tile).rows},
+    )
+    try:
+        compiled = triton_compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": page_kernel.NUM_WARPS}
+        )
+    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this Triton build
+        pytest.skip(f"no CUDA toolchain in this Triton: {exc}")
+    ptx = compiled.asm["ptx"]
+    per_thread = page_kernel.BLOCK_BYTES // (page_kernel.NUM_WARPS * 32 * 16)
+    assert ptx.count("ld.global.v2.b64") == per_thread == ptx.count("st.global.v2.b64")
+    assert ptx.index("st.global.v2.b64") > ptx.rindex("ld.global.v2.b64")

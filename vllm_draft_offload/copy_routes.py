@@ -29,6 +29,7 @@ one launch per run of the group's kernel layers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +40,8 @@ from vllm_draft_offload.metric_defs import Direction
 from vllm_draft_offload.page_kernel import ALIGN_BYTES
 from vllm_draft_offload.pair_kernel import PairKernel, layer_table, pair_table
 from vllm_draft_offload.transfers import Descriptors, LayerRegion, PairBatch, UnitCopies
+
+logger = logging.getLogger(__name__)
 
 
 def fits_kernel(region: LayerRegion, pool_base: int, unit_bytes: int, tile: int | None) -> bool:
@@ -73,7 +76,7 @@ def route_layers(copier: PairCopier, batch: PairBatch, direction: Direction) -> 
     """Per region: True when the pair kernel moves the whole layer (module docstring)."""
     engine = copier.engine
     regions = copier.copies.regions
-    if engine.path == "memcpy" or engine.kernel is None:
+    if engine.path == "memcpy" or engine.kernel is None or copier.kernel is None:
         return [False] * len(regions)
     picks = list(copier.fits)
     if engine.path == "kernel":
@@ -144,7 +147,15 @@ class PairCopier:
                 engine.kernel.warps,
             )
             if engine.on_device:
-                self.kernel.warm_up()
+                try:  # compile now, not on the first hit; a broken build must not stop serving
+                    self.kernel.warm_up()
+                except Exception as exc:
+                    logger.warning(
+                        "DraftOffloadConnector: the pair kernel failed to build (%r): "
+                        "copies use the descriptor path",
+                        exc,
+                    )
+                    self.kernel = None
 
     def batch_bytes(self, batch: PairBatch) -> tuple[int, int]:
         """(all bytes, draft layers' bytes) of a batch."""
