@@ -116,7 +116,9 @@ accept_cmd() {
     for c in ours_l3 lmcache; do f2+=("glm-mtp2-$c:mtp:glm-mtp2:$c"); done
     for c in none hit corrupt ours ours_l3 native lmcache; do
       f2+=("dsv3-mla-mtp-$c:mtp:dsv3-mla-mtp:$c"); done
+    # /root/ours_extra, when present, adds connector settings (e.g. ,"copy_path":"memcpy").
     echo "export JOBS=\${JOBS:-6} ACCEPT_ARGS='--prompt-tokens 32000' ACCEPT_TIMEOUT=600
+    export OURS_EXTRA=\$(cat /root/ours_extra 2>/dev/null)
     bash scripts/gpu/accept_runs.sh /root/fx-long2 /root/acc-long2 ${f2[*]}
     bash scripts/gpu/accept_runs.sh /root/fx-long /root/acc-long2 ${l2[*]}"; return ;;
   mtp) echo "export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx-mtp /root/acc-mtp ${mtp[*]}"; return ;;
