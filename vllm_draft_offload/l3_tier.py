@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_residency import Presence, Residency, residency_of
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
@@ -500,6 +501,8 @@ class SchedulerL3:
 
     def __init__(self, config: L3Config, world_size: int = 1) -> None:
         self.world_size = world_size
+        # A fetch's first round: one unit per read thread (each worker's io_threads).
+        self.first_round_units = config.io_threads
         self.store = open_store(config)
         self._pool = ThreadPoolExecutor(
             LOOKUP_THREADS, thread_name_prefix="draft-offload-l3-lookup"
@@ -508,6 +511,8 @@ class SchedulerL3:
         self._broken: OrderedDict[bytes, None] = OrderedDict()
 
     def lookup(self, chunk_keys: list[bytes]) -> Future[list[bool]]:
+        """Which chunks storage holds; with fs:// also whether the page cache holds the
+        first round a fetch of the leading hits reads (`Presence.first_round`)."""
         return self._pool.submit(self._contains, chunk_keys)
 
     def read_object(self, name: str) -> Future[bytes | None]:
@@ -568,10 +573,27 @@ class SchedulerL3:
                 "DraftOffloadConnector: L3 lookup answered %d of %d", len(found), len(names)
             )
             return [False] * len(chunk_keys)
-        return [
+        presence = Presence(
             all(found[i * ranks : (i + 1) * ranks]) and not self.is_broken(key)
             for i, key in enumerate(chunk_keys)
-        ]
+        )
+        presence.first_round = self._first_round_residency(chunk_keys, presence)
+        return presence
+
+    def _first_round_residency(
+        self, chunk_keys: list[bytes], present: list[bool]
+    ) -> Residency | None:
+        """Page-cache residency of every rank's object of the leading hits a fetch reads
+        first (one per read thread), asked here, before any read of them is sent: a
+        read already under way would make a cold file look partly warm."""
+        assert self.store is not None
+        hits = next((i for i, found in enumerate(present) if not found), len(present))
+        first_round = chunk_keys[: min(hits, self.first_round_units)]
+        if not first_round:
+            return None
+        names = [object_key(key, rank) for key in first_round for rank in range(self.world_size)]
+        answers = self.store.files_resident(names)
+        return None if answers is None else residency_of(answers)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
