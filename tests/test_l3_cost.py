@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kv_sim import SimEngine, prompt
-from l3_throttle import throttle
+from l3_throttle import cold_files, throttle
 from test_l3_tier import CHUNK, finish_l3_writes, l3_engine
 from test_metrics import clean_registry, vllm_config  # noqa: F401
 from vllm.config import VllmConfig
@@ -477,12 +477,15 @@ def test_an_abandoned_probe_is_timed_by_the_workers_not_by_the_next_step(
     # 2 reads at once in ~60 ms, a pace of 30 ms: 8 units in ~0.24 s, far below the
     # ~0.8 s recompute (timed by the step, 0.8 s for the round: 3.2 s)
     assert l3.cost.storage.load_s(PROMPT_CHUNKS) < 5 * read_s, _decisions(eng)
+    cold_files(tmp_path / "l3")  # what the throttle stands for: the lookup sees it
     _serve(eng, "second", prompts[1])
     # So the next hit is looked up and fetched whole (timed by the step: not looked up).
-    # Its first round, estimated at 60 ms, is more than 5 % of its recompute: no bet
-    # past the allowance (CostModel.may_wait), it recomputes within that and a poll.
+    # Its first round, estimated at 60 ms, is more than 5 % of its recompute and not
+    # in the page cache: no bet past the allowance (CostModel.may_wait), it recomputes
+    # within that and a poll.
     decision = l3.log.recent[-1]
     assert decision.req_id == "second" and decision.wanted == PROMPT_CHUNKS, _decisions(eng)
+    assert decision.first_round_resident is False, decision.line()
     assert decision.load_s is not None and decision.load_s < 5 * read_s, decision.line()
     assert decision.outcome == "declined:fetch_too_slow", decision.line()
     assert decision.waited_s < (decision.allowance_s or 0.0) + 0.03, decision.line()
@@ -982,6 +985,7 @@ def test_storage_slower_than_its_calibration_is_given_up_within_the_allowance(
     assert storage.unit_s >= 0.05 and storage.pace_s == 0.0, _decisions(eng)
     assert l3.cost.chunks_worth_loading(0, PROMPT_CHUNKS, True) == PROMPT_CHUNKS
     slow._delays["get"] = 3.0  # the storage is far slower than it was timed
+    cold_files(tmp_path / "l3")  # and cold, as the lookup sees
     eng.evict_gpu_kv()
     eng.take_published()
     eng.add_request("slow", prompts[1], max_tokens=1)
@@ -997,6 +1001,7 @@ def test_storage_slower_than_its_calibration_is_given_up_within_the_allowance(
     decision = l3.log.recent[-1]
     assert decision.req_id == "slow" and decision.found == PROMPT_CHUNKS, _decisions(eng)
     assert decision.outcome == "declined:fetch_too_slow", decision.line()
+    assert decision.first_round_resident is False, decision.line()
     assert decision.wanted == PROMPT_CHUNKS and decision.landed == 0, decision.line()
     poll = max(b - a for a, b in zip(polls, polls[1:], strict=False))
     assert decision.allowance_s is not None
