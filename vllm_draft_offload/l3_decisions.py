@@ -5,10 +5,10 @@ tier had, the range looked up and what storage held, the `l3.hit_policy`
 decision (fetched, or declined and why), the estimated load and recompute times
 behind it, the probe's outcome, how much of the fetch's first round the page cache
 held at the lookup (fs:// only, l3_residency.py: "resident 8/8"; "?" where unknown),
-and how long the request waited against its
-allowance, with the lookup's round trip and the fetch's time in it. Logged at
-DEBUG, or at INFO with `l3.log_decisions: true`; every SUMMARY_INTERVAL_S a
-summary line at INFO counts the decisions since the last.
+and how long the request waited against its allowance, with the lookup's round trip
+and the fetch's time in it. Logged at DEBUG, or at INFO with `l3.log_decisions:
+true`; every SUMMARY_INTERVAL_S a summary line at INFO counts the decisions since
+the last.
 
 The logger is `vllm.draft_offload.l3`: under vLLM's own logger, so vLLM's handler,
 format and VLLM_LOGGING_LEVEL / VLLM_LOGGING_CONFIG_PATH apply to it.

@@ -592,7 +592,11 @@ class SchedulerL3:
         if not first_round:
             return None
         names = [object_key(key, rank) for key in first_round for rank in range(self.world_size)]
-        answers = self.store.files_resident(names)
+        try:
+            answers = self.store.files_resident(names)
+        except Exception:  # it only informs a wait: never fail the lookup for it
+            logger.debug("DraftOffloadConnector: page-cache probe failed", exc_info=True)
+            return None
         return None if answers is None else residency_of(answers)
 
     def close(self) -> None:
