@@ -14,6 +14,7 @@ from vllm_draft_offload.l3_residency import (
     Presence,
     Residency,
     file_resident,
+    first_round_residency,
     residency_of,
 )
 
@@ -79,6 +80,31 @@ def test_residency_is_known_only_when_every_file_answered() -> None:
     assert not Residency(2, 1).all_resident and Residency(2, 2).all_resident
     assert residency_of([True, None]) is None
     assert residency_of([]) is None
+
+
+def test_the_first_round_is_the_leading_hits_one_per_read_thread_every_rank() -> None:
+    asked: list[list[str]] = []
+
+    def answer(names: list[str]) -> list[bool | None]:
+        asked.append(names)
+        return [name != "b1" for name in names]
+
+    def ranks(key: bytes) -> list[str]:
+        return [f"{key.decode()}{rank}" for rank in range(2)]
+
+    keys = [b"a", b"b", b"c", b"d"]
+    assert first_round_residency(answer, keys, [True] * 4, 2, ranks) == Residency(4, 3)
+    assert asked[-1] == ["a0", "a1", "b0", "b1"]
+    assert first_round_residency(answer, keys, [True, False, True, True], 3, ranks) == (
+        Residency(2, 2)
+    )
+    assert first_round_residency(answer, keys, [False] * 4, 2, ranks) is None
+
+    def broken(names: list[str]) -> list[bool | None]:
+        raise RuntimeError("a probe bug")
+
+    # A failed probe is unknown residency, never a failed lookup.
+    assert first_round_residency(broken, keys, [True] * 4, 2, ranks) is None
 
 
 def test_the_lookup_reports_its_first_rounds_residency(tmp_path: Path) -> None:

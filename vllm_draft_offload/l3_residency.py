@@ -24,11 +24,15 @@ wrote read as not resident, which costs warm hits, never a bound.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
+
+logger = logging.getLogger(__name__)
 
 # Only the lowest bit of each byte mincore returns is defined (resident); the others
 # are reserved, so they are masked off before counting.
@@ -116,6 +120,30 @@ def residency_of(answers: list[bool | None]) -> Residency | None:
     if not answers or any(answer is None for answer in answers):
         return None
     return Residency(len(answers), sum(1 for answer in answers if answer))
+
+
+def first_round_residency(
+    files_resident: Callable[[list[str]], list[bool | None] | None],
+    chunk_keys: Sequence[bytes],
+    present: Sequence[bool],
+    round_units: int,
+    object_names: Callable[[bytes], list[str]],
+) -> Residency | None:
+    """Residency of the files a fetch of the leading hits among `chunk_keys` reads first:
+    every object (`object_names`: one per TP rank) of the first `round_units` of them.
+    Asked before any read of them is sent, as a read under way would make a cold file
+    look partly warm. None: no hit, or unknown (a failed probe included: it only
+    informs a wait, and must never fail the lookup that asks it)."""
+    hits = next((i for i, found in enumerate(present) if not found), len(present))
+    first_round = chunk_keys[: min(hits, round_units)]
+    if not first_round:
+        return None
+    try:
+        answers = files_resident([name for key in first_round for name in object_names(key)])
+    except Exception:
+        logger.debug("DraftOffloadConnector: page-cache probe failed", exc_info=True)
+        return None
+    return None if answers is None else residency_of(answers)
 
 
 class Presence(list[bool]):

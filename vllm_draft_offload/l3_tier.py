@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_errors import L3Error
-from vllm_draft_offload.l3_residency import Presence, Residency, residency_of
+from vllm_draft_offload.l3_residency import Presence, first_round_residency
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
@@ -577,27 +577,15 @@ class SchedulerL3:
             all(found[i * ranks : (i + 1) * ranks]) and not self.is_broken(key)
             for i, key in enumerate(chunk_keys)
         )
-        presence.first_round = self._first_round_residency(chunk_keys, presence)
+        # Asked here, before any read of them is sent (l3_residency.py).
+        presence.first_round = first_round_residency(
+            self.store.files_resident,
+            chunk_keys,
+            presence,
+            self.first_round_units,
+            lambda key: [object_key(key, rank) for rank in range(ranks)],
+        )
         return presence
-
-    def _first_round_residency(
-        self, chunk_keys: list[bytes], present: list[bool]
-    ) -> Residency | None:
-        """Page-cache residency of every rank's object of the leading hits a fetch reads
-        first (one per read thread), asked here, before any read of them is sent: a
-        read already under way would make a cold file look partly warm."""
-        assert self.store is not None
-        hits = next((i for i, found in enumerate(present) if not found), len(present))
-        first_round = chunk_keys[: min(hits, self.first_round_units)]
-        if not first_round:
-            return None
-        names = [object_key(key, rank) for key in first_round for rank in range(self.world_size)]
-        try:
-            answers = self.store.files_resident(names)
-        except Exception:  # it only informs a wait: never fail the lookup for it
-            logger.debug("DraftOffloadConnector: page-cache probe failed", exc_info=True)
-            return None
-        return None if answers is None else residency_of(answers)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
