@@ -13,11 +13,16 @@ times that, as on a disk whose bandwidth one read already fills.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from vllm_draft_offload.l3_residency import file_resident
 from vllm_draft_offload.l3_store import L3Store
 
 
@@ -98,3 +103,22 @@ def throttle(store: L3Store | None, **delays: float) -> SlowConnector:
     check = store._files_exist
     store._files_exist = lambda lkeys: slow.files_exist(check, lkeys)  # type: ignore[method-assign]
     return slow
+
+
+def cold_files(root: Path) -> None:
+    """Drop every file under `root` from the page cache (written back first).
+
+    A throttled fs:// read stands for a cold or slow disk, but the files stay cached:
+    the lookup would see the fetch's first round resident (l3_residency.py) and bet on
+    it landing at memory speed, which the throttle then denies. Skips the test where
+    the kernel keeps the pages (tmpfs, or a filesystem that ignores the advice)."""
+    files = [path for path in root.rglob("*") if path.is_file()]
+    for path in files:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if any(file_resident(path) for path in files):
+        pytest.skip(f"the page cache kept files under {root}: storage cannot be made cold")

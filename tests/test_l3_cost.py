@@ -3,6 +3,7 @@ made slow by a throttle (tests/l3_throttle.py)."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kv_sim import SimEngine, prompt
-from l3_throttle import throttle
+from l3_throttle import cold_files, throttle
 from test_l3_tier import CHUNK, finish_l3_writes, l3_engine
 from test_metrics import clean_registry, vllm_config  # noqa: F401
 from vllm.config import VllmConfig
@@ -24,6 +25,7 @@ from vllm_draft_offload.l3_cost import (
     StorageEstimate,
     fit_steps,
 )
+from vllm_draft_offload.l3_first_landing import FIRST_LANDING_FACTOR, may_wait_for_first_landing
 from vllm_draft_offload.metric_defs import PREFIX
 from vllm_draft_offload.metrics import DraftOffloadStats
 
@@ -475,12 +477,15 @@ def test_an_abandoned_probe_is_timed_by_the_workers_not_by_the_next_step(
     # 2 reads at once in ~60 ms, a pace of 30 ms: 8 units in ~0.24 s, far below the
     # ~0.8 s recompute (timed by the step, 0.8 s for the round: 3.2 s)
     assert l3.cost.storage.load_s(PROMPT_CHUNKS) < 5 * read_s, _decisions(eng)
+    cold_files(tmp_path / "l3")  # what the throttle stands for: the lookup sees it
     _serve(eng, "second", prompts[1])
     # So the next hit is looked up and fetched whole (timed by the step: not looked up).
-    # Its first round, estimated at 60 ms, is more than 5 % of its recompute: no bet
-    # past the allowance (CostModel.may_wait), it recomputes within that and a poll.
+    # Its first round, estimated at 60 ms, is more than 5 % of its recompute and not
+    # in the page cache: no bet past the allowance (CostModel.may_wait), it recomputes
+    # within that and a poll.
     decision = l3.log.recent[-1]
     assert decision.req_id == "second" and decision.wanted == PROMPT_CHUNKS, _decisions(eng)
+    assert decision.first_round_resident is False, decision.line()
     assert decision.load_s is not None and decision.load_s < 5 * read_s, decision.line()
     assert decision.outcome == "declined:fetch_too_slow", decision.line()
     assert decision.waited_s < (decision.allowance_s or 0.0) + 0.03, decision.line()
@@ -865,12 +870,18 @@ def _h100_model(seconds_per_token: float, unit_s: float, pace_s: float) -> CostM
 
 
 def _replay(
-    model: CostModel, lookup_s: float, poll_s: float, first_round_s: float, round_s: float
+    model: CostModel,
+    lookup_s: float,
+    poll_s: float,
+    first_round_s: float,
+    round_s: float,
+    resident: bool | None = None,
 ) -> tuple[str, float]:
     """Ask may_wait once per poll as L3Prefetch does, for a 64-unit hit whose lookup
-    answers after `lookup_s` and whose units land in rounds of 8, the first
-    `first_round_s` after the fetch starts (at the poll that sees the lookup) and one
-    more every `round_s`. ("taken" | "declined", seconds waited)."""
+    answers after `lookup_s` (finding the first round `resident` in the page cache, or
+    not, or not telling) and whose units land in rounds of 8, the first `first_round_s`
+    after the fetch starts (at the poll that sees the lookup) and one more every
+    `round_s`. ("taken" | "declined", seconds waited)."""
     units, t, fetch_started = 64, 0.0, None
     while True:
         t += poll_s
@@ -899,6 +910,7 @@ def _replay(
             fetched=fetched,
             outstanding=units - fetched,
             poll_s=poll_s,
+            first_round_resident=resident,
         )
         if not wait:
             return "declined", t
@@ -973,6 +985,7 @@ def test_storage_slower_than_its_calibration_is_given_up_within_the_allowance(
     assert storage.unit_s >= 0.05 and storage.pace_s == 0.0, _decisions(eng)
     assert l3.cost.chunks_worth_loading(0, PROMPT_CHUNKS, True) == PROMPT_CHUNKS
     slow._delays["get"] = 3.0  # the storage is far slower than it was timed
+    cold_files(tmp_path / "l3")  # and cold, as the lookup sees
     eng.evict_gpu_kv()
     eng.take_published()
     eng.add_request("slow", prompts[1], max_tokens=1)
@@ -988,6 +1001,7 @@ def test_storage_slower_than_its_calibration_is_given_up_within_the_allowance(
     decision = l3.log.recent[-1]
     assert decision.req_id == "slow" and decision.found == PROMPT_CHUNKS, _decisions(eng)
     assert decision.outcome == "declined:fetch_too_slow", decision.line()
+    assert decision.first_round_resident is False, decision.line()
     assert decision.wanted == PROMPT_CHUNKS and decision.landed == 0, decision.line()
     poll = max(b - a for a, b in zip(polls, polls[1:], strict=False))
     assert decision.allowance_s is not None
@@ -996,3 +1010,97 @@ def test_storage_slower_than_its_calibration_is_given_up_within_the_allowance(
     assert eng.mismatched_positions("slow") == []
     eng.run_until_done()
     eng.worker.shutdown()
+
+
+# H100, session 18 (restore-speed, Llama-8B shape, fs:// on local disk), a warm restart's
+# second prompt: "est load 0.3023 s (unit 0.0339 s) vs recompute 0.5559 s (fit); waited
+# 0.0388 s of 0.0278 s (lookup 0.0156 s, fetch 0.0215 s)" -> declined:fetch_too_slow.
+# 64 units at 0.3023 s on 8 threads: a pace of 0.3023 / 64 s per unit.
+SESSION18 = dict(seconds_per_token=0.5559 / 16384, unit_s=0.0339, pace_s=0.3023 / 64)
+
+
+@pytest.mark.parametrize(
+    ("case", "model_args", "lookup_s", "poll_s", "first", "every", "resident", "expected"),
+    [
+        # The warm prompt, its first round found in the page cache: the estimated first
+        # landing (38 ms) is past 5 % of the recompute (28 ms), but resident data lands
+        # at memory speed; rounds land as the estimate prices them.
+        ("warm resident", SESSION18, 0.0156, 0.004, 0.034, 0.034, True, "taken"),
+        # The same without a residency answer (not fs://, or the kernel would not tell):
+        # today's rule for cold storage, given up at the allowance, as session 18 was.
+        ("warm unknown", SESSION18, 0.0156, 0.004, 0.034, 0.034, None, "declined"),
+        # Session 16's cold busy restart (see test_h100_restart_waits), found not
+        # resident: no bet, given up within the allowance and a poll.
+        ("cold busy", dict(seconds_per_token=3.5e-5, unit_s=0.0449, pace_s=0.0),
+         0.026, 0.005, 0.2, 0.2, False, "declined"),
+        # A resident first round that then lands nowhere near its estimate (evicted
+        # between the lookup and the reads, or the host stalls): given up at 1.5 x the
+        # estimated first landing from the fetch's start.
+        ("resident, turns slow", SESSION18, 0.0156, 0.004, 10.0, 10.0, True, "declined"),
+    ],
+)  # fmt: skip
+def test_a_resident_first_round_is_waited_for_and_a_cold_one_is_not(
+    case: str,
+    model_args: dict[str, float],
+    lookup_s: float,
+    poll_s: float,
+    first: float,
+    every: float,
+    resident: bool | None,
+    expected: str,
+) -> None:
+    """Session 18: a warm restart's hit, estimated to load 45 % faster than recomputing,
+    was declined because its first round's estimate (one unit time) outgrew 5 % of the
+    recompute, the bound kept for cold disks (session 16). The lookup now tells warm
+    from cold (the page cache holds the first round's files or not): a resident round is
+    waited for within 1.5 x its estimate; one not resident, or not known to be, keeps
+    the cold rule and its bound."""
+    model = _h100_model(**model_args)
+    recompute = model.recompute_chunks_s(0, 64)
+    assert recompute is not None
+    allowance = model.wait_allowance_s(0, 64, 0)
+    first_s = model.storage.first_landing_s(64)
+    if model_args is SESSION18:
+        assert recompute == pytest.approx(0.5559, rel=0.01)
+        assert allowance == pytest.approx(0.0278, rel=0.01)
+        assert model.storage.load_s(64) == pytest.approx(0.3023, rel=0.001)
+        assert first_s > 0.05 * recompute  # no bet on the estimate alone
+    outcome, waited = _replay(model, lookup_s, poll_s, first, every, resident)
+    assert outcome == expected, (case, waited, allowance)
+    if outcome == "taken":
+        assert waited < recompute
+    elif resident:
+        # The resident bet's bound: 1.5 x the first landing from the fetch's start (at
+        # the poll that saw the lookup) and a poll; under 19 % of R for 64 units on 8.
+        fetch_start = poll_s * math.ceil(lookup_s / poll_s - 1e-9)
+        assert waited <= fetch_start + 1.5 * first_s + poll_s + 1e-9, waited
+        assert 1.5 * first_s < 1.5 * 8 / 64 * recompute
+    else:
+        assert waited <= max(allowance, lookup_s) + poll_s + 1e-9, (waited, allowance)
+
+
+@pytest.mark.parametrize(
+    ("stalled_s", "first_s", "worth", "resident", "expected"),
+    [
+        (0.02, 0.038, True, True, True),  # resident: waits past the cold limit
+        (0.02, 0.038, True, False, False),  # not resident: the estimate is past the limit
+        (0.02, 0.038, True, None, False),  # unknown: as not resident
+        (0.02, 0.025, True, None, True),  # within the cold limit: waits, as before
+        (0.058, 0.038, True, True, False),  # past 1.5 x the estimate: given up
+        (0.02, 0.038, False, True, False),  # the load would not beat recomputing
+    ],
+)
+def test_first_landing_bet_table(
+    stalled_s: float, first_s: float, worth: bool, resident: bool | None, expected: bool
+) -> None:
+    assert FIRST_LANDING_FACTOR == 1.5
+    assert (
+        may_wait_for_first_landing(
+            stalled_s,
+            first_s,
+            cold_limit_s=0.0278,
+            load_beats_recompute=worth,
+            first_round_resident=resident,
+        )
+        is expected
+    )

@@ -28,7 +28,8 @@ that fraction, however slow the storage turns out to be.
 `l3.wait_past_allowance` is off), on what the estimates promise, in three bounded
 bets: a lookup for two round trips and two polls; a fetch before its first landing
 for FIRST_LANDING_FACTOR times the estimated first landing from its start, and only
-when that estimate is at most PROBE_WAIT_FRACTION * R; a fetch whose units land
+when that estimate is at most PROBE_WAIT_FRACTION * R or the page cache holds the
+first round (l3_first_landing.py, l3_residency.py); a fetch whose units land
 while the pace they make finishes it before recomputing what has not landed, and
 the next landing comes within two unit times and polls.
 
@@ -42,17 +43,24 @@ waiting loses at most
                                                  (7.5 % and a step: the first-landing bet)
 
 beyond what landed chunks save, and, once units land, at most two unit times and
-polls after the storage stops keeping the pace it showed. A storage that answers
-its lookup within the allowance and whose first round the estimate prices beyond
-PROBE_WAIT_FRACTION * R (a cold disk priced from reads that landed together: the
-H100 cold restart, 45 ms a unit against a 29 ms allowance) gets no bet: it is given
-up within the allowance and one poll, at most 5 % of R and a step. The bet is what
-lets a warm hit whose lookup alone outlasted the allowance (behind another prompt's
-storage writes) still be taken; no rule that waits on an estimate can bound it
-tighter against storage that then turns out slower. The price of the bound: storage
-whose first round takes longer than PROBE_WAIT_FRACTION * R (high latency, or a
-bandwidth one round already fills) serves a hit only when it lands within the
-allowance, even where the whole fetch would beat recomputing.
+polls after the storage stops keeping the pace it showed. A first round known
+resident bets FIRST_LANDING_FACTOR times its estimated first landing instead of the
+last term: that estimate is under the estimated load, itself under R (no bet is made
+on a load that does not beat recomputing), and at most parallel / n of the load for a
+fetch of n units past one round (64 units on 8 threads: the term is under 19 % of R).
+Resident data lands at memory speed, so that bet turns slow only when the pages are
+evicted between the lookup and the reads or the host stalls. A storage that answers
+its lookup within the allowance and whose first round, not known resident, the
+estimate prices beyond PROBE_WAIT_FRACTION * R (a cold disk priced from reads that
+landed together: the H100 cold restart, 45 ms a unit against a 29 ms allowance) gets
+no bet: it is given up within the allowance and one poll, at most 5 % of R and a
+step. The bet is what lets a warm hit whose lookup alone outlasted the allowance
+(behind another prompt's storage writes) still be taken; no rule that waits on an
+estimate can bound it tighter against storage that then turns out slower. The price
+of the bound: storage whose first round takes longer than PROBE_WAIT_FRACTION * R
+(high latency, or a bandwidth one round already fills) and is not known resident
+(cold, or not fs://) serves a hit only when it lands within the allowance, even where
+the whole fetch would beat recomputing.
 
 A restarted engine has timed no step yet. The prefill samples of an earlier
 engine of the same model and device (shared through storage, l3_calibration.py)
@@ -69,6 +77,7 @@ from itertools import combinations
 
 import numpy as np
 
+from vllm_draft_offload.l3_first_landing import may_wait_for_first_landing
 from vllm_draft_offload.l3_storage_estimate import PROBE_UNITS, StorageEstimate
 
 __all__ = ["PROBE_UNITS", "CostModel", "PrefillEstimate", "StorageEstimate", "fit_steps"]
@@ -84,12 +93,6 @@ MIN_SAMPLES = 4
 REFIT_EVERY = 8
 # A step counts as a prefill sample when it computes at least this many tokens.
 MIN_PREFILL_TOKENS = 16
-# Past its allowance, before any unit of its fetch landed, a request waits for the
-# first landing up to this many times its estimated time from the fetch's start
-# (StorageEstimate.first_landing_s), and only when that estimate is within
-# PROBE_WAIT_FRACTION of the recompute: a bet bounded like the allowance. On an H100 a
-# warm round of 8 units of 37.7 MB, estimated at 19 ms, landed 20-25 ms after its start.
-FIRST_LANDING_FACTOR = 1.5
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -396,6 +399,7 @@ class CostModel:
         fetched: int = 0,
         outstanding: int | None = None,
         poll_s: float | None = None,
+        first_round_resident: bool | None = None,
     ) -> tuple[bool, float]:
         """May a request keep waiting on storage? (yes or no, its allowance)
 
@@ -408,9 +412,11 @@ class CostModel:
         * a lookup within two round trips and two steps (an answer reaches the
           scheduler only with a step);
         * a fetch before any unit landed, for FIRST_LANDING_FACTOR times its estimated
-          first landing (StorageEstimate.first_landing_s) from its start, when that
-          estimate is at most PROBE_WAIT_FRACTION of the recompute looked up and the
-          estimated load beats recomputing. Reads sent together land together, so
+          first landing (StorageEstimate.first_landing_s) from its start, when the
+          estimated load beats recomputing and either `first_round_resident` (the page
+          cache held every file of the first round when the lookup found it,
+          l3_residency.py) or that estimate is at most PROBE_WAIT_FRACTION of the
+          recompute looked up (l3_first_landing.py). Reads sent together land together, so
           nothing can be seen sooner; but storage slower than its estimate is seen by
           that time, not after two unit times and steps of no progress (H100, session
           16: a cold restart priced 64 units at 0.36 s from a 45 ms unit time, saw
@@ -450,11 +456,17 @@ class CostModel:
         if not fetched and not landed:
             # Nothing landed yet: `stalled_s` runs from the fetch's start. Wait for the
             # first round, which lands together, no longer than the estimate's time for
-            # it (with some slack), and only where that estimate is itself a bounded bet.
-            first_s = storage.first_landing_s(left)
+            # it (with some slack), and only where it is resident or the estimate is
+            # itself a bounded bet.
             whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
-            bet = first_s <= PROBE_WAIT_FRACTION * whole
-            return worth and bet and stalled_s < FIRST_LANDING_FACTOR * first_s, allowance
+            wait = may_wait_for_first_landing(
+                stalled_s,
+                storage.first_landing_s(left),
+                cold_limit_s=PROBE_WAIT_FRACTION * whole,
+                load_beats_recompute=worth,
+                first_round_resident=first_round_resident,
+            )
+            return wait, allowance
         return worth and stalled_s < 2 * (storage.unit_s + step_s), allowance
 
     def chunks_worth_loading(

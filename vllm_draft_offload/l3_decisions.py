@@ -3,10 +3,12 @@
 One line per storage lookup, once the request stops waiting: the chunks the CPU
 tier had, the range looked up and what storage held, the `l3.hit_policy`
 decision (fetched, or declined and why), the estimated load and recompute times
-behind it, the probe's outcome, and how long the request waited against its
-allowance, with the lookup's round trip and the fetch's time in it. Logged at
-DEBUG, or at INFO with `l3.log_decisions: true`; every SUMMARY_INTERVAL_S a
-summary line at INFO counts the decisions since the last.
+behind it, the probe's outcome, how much of the fetch's first round the page cache
+held at the lookup (fs:// only, l3_residency.py: "resident 8/8"; "?" where unknown),
+and how long the request waited against its allowance, with the lookup's round trip
+and the fetch's time in it. Logged at DEBUG, or at INFO with `l3.log_decisions:
+true`; every SUMMARY_INTERVAL_S a summary line at INFO counts the decisions since
+the last.
 
 The logger is `vllm.draft_offload.l3`: under vLLM's own logger, so vLLM's handler,
 format and VLLM_LOGGING_LEVEL / VLLM_LOGGING_CONFIG_PATH apply to it.
@@ -20,6 +22,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
+
+from vllm_draft_offload.l3_residency import Residency
 
 logger = init_logger("vllm.draft_offload.l3")
 
@@ -46,6 +50,9 @@ class L3Decision:
     load_s: float | None = None  # estimated load time of the wanted chunks
     unit_s: float | None = None  # storage seconds per unit fetch (estimate)
     probe: str = "none"
+    # Page-cache residency of the fetch's first round when the lookup found it
+    # (None: not looked up, not fs://, or the kernel would not tell).
+    first_round: Residency | None = None
     allowance_s: float | None = None  # the wait allowance when it stopped waiting
     waited_s: float = 0.0
     # Of the wait: the lookup's round trip, and from the fetch's start (after the probe,
@@ -53,6 +60,11 @@ class L3Decision:
     lookup_s: float | None = None
     fetch_s: float | None = None
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def first_round_resident(self) -> bool | None:
+        """Every file of the first round was in the page cache (None: unknown)."""
+        return None if self.first_round is None else self.first_round.all_resident
 
     def line(self) -> str:
         found = "not looked up" if self.found is None else f"{self.found}"
@@ -69,6 +81,7 @@ class L3Decision:
             f"fetch {self.wanted}{no_slot}, landed {self.landed}; est load {secs(self.load_s)} s "
             f"(unit {secs(self.unit_s)} s) vs recompute {secs(self.recompute_s)} s "
             f"({self.estimate_source}); probe {self.probe}; "
+            f"resident {'?' if self.first_round is None else self.first_round.label()}; "
             f"waited {self.waited_s:.4f} s of {secs(self.allowance_s)} s "
             f"(lookup {secs(self.lookup_s)} s, fetch {secs(self.fetch_s)} s)"
         )

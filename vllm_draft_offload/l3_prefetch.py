@@ -17,7 +17,8 @@ a request waits, counted from its lookup: always within 5 % of the estimated
 recompute of what it looks up plus what the chunks that landed save (all it gets
 while the storage is unmeasured, i.e. for the probe), and once the storage is
 measured also in bounded bets past it: a slow lookup, a fetch's first round within
-1.5 x its estimated time, a fetch that keeps the pace its landings show (l3_cost.py
+1.5 x its estimated time (if that is short, or the lookup found the round in the page
+cache: l3_residency.py), a fetch that keeps the pace its landings show (l3_cost.py
 states the worst case). When it stops waiting it is
 admitted with the leading chunks that landed; its other fetches finish in the
 background into the CPU tier, except after a fetch (not a probe) it gave up as too
@@ -205,6 +206,7 @@ class L3Prefetch:
                 self._finish(state, "lookup_failed", 0)
                 return False
             state.decision.lookup_s = time.perf_counter() - state.lookup_started
+            state.decision.first_round = getattr(present, "first_round", None)
             self.cost.storage.observe_round_trip(state.decision.lookup_s)
             self._start_fetches(req_id, state, keys, present)
         if state.phase == "fetch" and state.short:
@@ -299,6 +301,7 @@ class L3Prefetch:
             landed=landed,
             coming=state.decision.wanted - landed,
             poll_s=poll_s,
+            first_round_resident=state.decision.first_round_resident,
             **self._fetch_pace(state, now),
         )
         return wait

@@ -45,6 +45,7 @@ from vllm_draft_offload.l3_backends import (
 from vllm_draft_offload.l3_channel import L3Channel, release_staged
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import DeadlineExceeded, ObjectFile, open_object_file
+from vllm_draft_offload.l3_residency import file_resident
 
 T = TypeVar("T")
 
@@ -294,6 +295,22 @@ class L3Store(L3Channel):
             found.append(os.path.exists(fs._get_file_path(lkey)))
         self._succeeded()
         return found
+
+    def files_resident(self, keys: Iterable[str]) -> list[bool | None] | None:
+        """fs://: is each object's file wholly in the page cache (l3_residency.py)? None
+        for a backend without files or a store that cannot be reached; an entry is None
+        where the kernel would not tell. Never raises: this only informs a wait."""
+        if not self.reads_files:
+            return None
+        deadline = time.monotonic() + self.settings.timeout_s
+        try:
+            lkeys = [self._key(k, "files_resident") for k in keys]
+            fs = inner_connector(self._acquire("files_resident", None, deadline))
+        except L3Error:
+            return None
+        if not isinstance(fs, FSConnector):
+            return None
+        return [file_resident(fs._get_file_path(lkey)) for lkey in lkeys]
 
     def remove(self, key: str) -> bool:
         """True if the object was there and is now gone."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_errors import L3Error
+from vllm_draft_offload.l3_residency import Presence, first_round_residency
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
@@ -500,6 +501,8 @@ class SchedulerL3:
 
     def __init__(self, config: L3Config, world_size: int = 1) -> None:
         self.world_size = world_size
+        # A fetch's first round: one unit per read thread (each worker's io_threads).
+        self.first_round_units = config.io_threads
         self.store = open_store(config)
         self._pool = ThreadPoolExecutor(
             LOOKUP_THREADS, thread_name_prefix="draft-offload-l3-lookup"
@@ -508,6 +511,8 @@ class SchedulerL3:
         self._broken: OrderedDict[bytes, None] = OrderedDict()
 
     def lookup(self, chunk_keys: list[bytes]) -> Future[list[bool]]:
+        """Which chunks storage holds; with fs:// also whether the page cache holds the
+        first round a fetch of the leading hits reads (`Presence.first_round`)."""
         return self._pool.submit(self._contains, chunk_keys)
 
     def read_object(self, name: str) -> Future[bytes | None]:
@@ -568,10 +573,19 @@ class SchedulerL3:
                 "DraftOffloadConnector: L3 lookup answered %d of %d", len(found), len(names)
             )
             return [False] * len(chunk_keys)
-        return [
+        presence = Presence(
             all(found[i * ranks : (i + 1) * ranks]) and not self.is_broken(key)
             for i, key in enumerate(chunk_keys)
-        ]
+        )
+        # Asked here, before any read of them is sent (l3_residency.py).
+        presence.first_round = first_round_residency(
+            self.store.files_resident,
+            chunk_keys,
+            presence,
+            self.first_round_units,
+            lambda key: [object_key(key, rank) for rank in range(ranks)],
+        )
+        return presence
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
