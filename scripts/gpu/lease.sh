@@ -184,7 +184,7 @@ declare -A CMD=(
     --configs recompute,native,ours --reps 3 --out /root/restore_speed_table.json"
   [copy-table]="bash scripts/gpu/copy_sweep.sh /root/copy-table 32:16:4"
   [l3-probe2]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
-    --l3-dir /root/l3p2 --drop-caches --out /root/restore_speed_l3_probe2.json"
+    --l3-dir /root/l3p2 --drop-caches --engine-timeout 300 --out /root/restore_speed_l3_probe2.json"
   [l3-overlap]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
     --l3-variants overlap --l3-dir /root/l3o --drop-caches --engine-timeout 300 \
     --out /root/restore_speed_l3_overlap.json"
