@@ -25,7 +25,13 @@ from vllm_draft_offload.l3_cost import (
     StorageEstimate,
     fit_steps,
 )
-from vllm_draft_offload.l3_first_landing import FIRST_LANDING_FACTOR, may_wait_for_first_landing
+from vllm_draft_offload.l3_first_landing import (
+    FIRST_LANDING_FACTOR,
+    RESIDENT_LANDING_FACTOR,
+    RESIDENT_WAIT_FRACTION,
+    may_wait_for_first_landing,
+    may_wait_for_resident_probe,
+)
 from vllm_draft_offload.metric_defs import PREFIX
 from vllm_draft_offload.metrics import DraftOffloadStats
 
@@ -465,6 +471,8 @@ def test_an_abandoned_probe_is_timed_by_the_workers_not_by_the_next_step(
     eng = _restarted(model_dirs, url, "cost", io_threads=4)
     read_s = 0.06  # 2 parallel reads land in 60 ms: past the ~40 ms allowance
     throttle(eng.worker.worker.l3.store, get=read_s)
+    # What the throttle stands for (a resident probe would be waited for past it).
+    cold_files(tmp_path / "l3")
     l3 = eng.scheduler.connector.scheduler.l3
     first = _serve(eng, "first", prompts[0])  # recomputes for ~0.8 s in one step
     assert first["l3_declined"] == {"fetch_too_slow": PROMPT_CHUNKS}, _decisions(eng)
@@ -1017,6 +1025,8 @@ def test_storage_slower_than_its_calibration_is_given_up_within_the_allowance(
 # 0.0388 s of 0.0278 s (lookup 0.0156 s, fetch 0.0215 s)" -> declined:fetch_too_slow.
 # 64 units at 0.3023 s on 8 threads: a pace of 0.3023 / 64 s per unit.
 SESSION18 = dict(seconds_per_token=0.5559 / 16384, unit_s=0.0339, pace_s=0.3023 / 64)
+# Lease 2 of the same session: "est load 0.1296 s (unit 0.0162 s) vs recompute 0.5632 s".
+SESSION18_LEASE2 = dict(seconds_per_token=0.5632 / 16384, unit_s=0.0162, pace_s=0.1296 / 64)
 
 
 @pytest.mark.parametrize(
@@ -1037,6 +1047,19 @@ SESSION18 = dict(seconds_per_token=0.5559 / 16384, unit_s=0.0339, pace_s=0.3023 
         # between the lookup and the reads, or the host stalls): given up at 1.5 x the
         # estimated first landing from the fetch's start.
         ("resident, turns slow", SESSION18, 0.0156, 0.004, 10.0, 10.0, True, "declined"),
+        # Session 18, lease 2, with the residency rule at 1.5 x: the warm restart's
+        # second prompt, "est load 0.1296 s (unit 0.0162 s) vs recompute 0.5632 s; resident
+        # 8/8; waited 0.0433 s of 0.0282 s (lookup 0.0158 s, fetch 0.0263 s)" ->
+        # declined. The next warm prompt's whole fetch took 0.209 s: 26 ms a round, 1.6 x
+        # the estimate; the first round (thread start, opens) lands later. Now taken.
+        ("warm resident, round at 1.6 x", SESSION18_LEASE2, 0.0158, 0.004, 0.03, 0.026,
+         True, "taken"),
+        # Behind another prompt's writes (req 24: resident 8/8, lookup 19 ms, nothing
+        # landed 44 ms into the fetch): rounds of 50 ms, still within 15 % of R.
+        ("warm resident, busy", SESSION18_LEASE2, 0.0192, 0.01, 0.05, 0.05, True, "taken"),
+        # The same prompt without a residency answer: the old rule.
+        ("warm unknown, round at 1.6 x", SESSION18_LEASE2, 0.0158, 0.004, 0.03, 0.026,
+         None, "declined"),
     ],
 )  # fmt: skip
 def test_a_resident_first_round_is_waited_for_and_a_cold_one_is_not(
@@ -1053,8 +1076,9 @@ def test_a_resident_first_round_is_waited_for_and_a_cold_one_is_not(
     was declined because its first round's estimate (one unit time) outgrew 5 % of the
     recompute, the bound kept for cold disks (session 16). The lookup now tells warm
     from cold (the page cache holds the first round's files or not): a resident round is
-    waited for within 1.5 x its estimate; one not resident, or not known to be, keeps
-    the cold rule and its bound."""
+    waited for within 3 x its estimate and 15 % of the recompute (lease 2: rounds took
+    1.6 x their estimate); one not resident, or not known to be, keeps the cold rule and
+    its bound."""
     model = _h100_model(**model_args)
     recompute = model.recompute_chunks_s(0, 64)
     assert recompute is not None
@@ -1070,13 +1094,17 @@ def test_a_resident_first_round_is_waited_for_and_a_cold_one_is_not(
     if outcome == "taken":
         assert waited < recompute
     elif resident:
-        # The resident bet's bound: 1.5 x the first landing from the fetch's start (at
-        # the poll that saw the lookup) and a poll; under 19 % of R for 64 units on 8.
+        # The resident bet's bound: 3 x the first landing from the fetch's start (at the
+        # poll that saw the lookup), never past 15 % of R, and a poll.
         fetch_start = poll_s * math.ceil(lookup_s / poll_s - 1e-9)
-        assert waited <= fetch_start + 1.5 * first_s + poll_s + 1e-9, waited
-        assert 1.5 * first_s < 1.5 * 8 / 64 * recompute
+        limit = min(RESIDENT_LANDING_FACTOR * first_s, RESIDENT_WAIT_FRACTION * recompute)
+        assert waited <= fetch_start + limit + poll_s + 1e-9, waited
     else:
-        assert waited <= max(allowance, lookup_s) + poll_s + 1e-9, (waited, allowance)
+        # No bet past the allowance, or the cold bet: 1.5 x a first landing estimated
+        # within 5 % of R.
+        fetch_start = poll_s * math.ceil(lookup_s / poll_s - 1e-9)
+        cold_bet = fetch_start + 1.5 * first_s if first_s <= 0.05 * recompute else 0.0
+        assert waited <= max(allowance, lookup_s, cold_bet) + poll_s + 1e-9, waited
 
 
 @pytest.mark.parametrize(
@@ -1086,14 +1114,18 @@ def test_a_resident_first_round_is_waited_for_and_a_cold_one_is_not(
         (0.02, 0.038, True, False, False),  # not resident: the estimate is past the limit
         (0.02, 0.038, True, None, False),  # unknown: as not resident
         (0.02, 0.025, True, None, True),  # within the cold limit: waits, as before
-        (0.058, 0.038, True, True, False),  # past 1.5 x the estimate: given up
+        (0.035, 0.020, True, None, False),  # not resident, past 1.5 x the estimate
+        (0.035, 0.020, True, True, True),  # resident: up to 3 x the estimate
+        (0.061, 0.020, True, True, False),  # resident, past 3 x the estimate
+        (0.080, 0.038, True, True, True),  # resident: under 3 x and under 15 % of R
+        (0.090, 0.038, True, True, False),  # resident: past 15 % of R (0.0834 s)
         (0.02, 0.038, False, True, False),  # the load would not beat recomputing
     ],
 )
 def test_first_landing_bet_table(
     stalled_s: float, first_s: float, worth: bool, resident: bool | None, expected: bool
 ) -> None:
-    assert FIRST_LANDING_FACTOR == 1.5
+    assert (FIRST_LANDING_FACTOR, RESIDENT_LANDING_FACTOR) == (1.5, 3.0)
     assert (
         may_wait_for_first_landing(
             stalled_s,
@@ -1101,6 +1133,46 @@ def test_first_landing_bet_table(
             cold_limit_s=0.0278,
             load_beats_recompute=worth,
             first_round_resident=resident,
+            resident_limit_s=0.0834,
         )
         is expected
     )
+
+
+@pytest.mark.parametrize(
+    ("waited_s", "resident", "expected"),
+    [
+        (0.03, True, True),  # a resident probe past its allowance: within 15 % of R
+        (0.09, True, False),  # past 15 % of R
+        (0.03, False, False),  # not resident: no bet without an estimate
+        (0.03, None, False),  # unknown: as not resident
+    ],
+)
+def test_resident_probe_table(waited_s: float, resident: bool | None, expected: bool) -> None:
+    assert may_wait_for_resident_probe(waited_s, resident, resident_limit_s=0.0834) is expected
+
+
+def test_a_resident_probe_waits_past_its_allowance_within_the_bound() -> None:
+    """Session 18, lease 2: a warm restart's first request probed two units of resident
+    files and gave up at its 28 ms allowance ("probe abandoned with 0/2 landed; resident
+    8/8; waited 0.0285 s of 0.0282 s"); lease 1's probes landed in 29 ms. A resident
+    probe may wait up to 15 % of the recompute; one not known resident, only the
+    allowance."""
+    model = CostModel(chunk_size=256, unit_bytes=SESSION13_UNIT_BYTES, parallel=8)
+    for tokens in (256, 1024, 4096, 8192, 16384):
+        model.prefill.observe(tokens, 0.0, 0.002 + 0.5632 / 16384 * tokens)
+    assert model.storage.samples == 0
+    recompute = model.recompute_chunks_s(0, 64)
+    assert recompute is not None
+    allowance = model.wait_allowance_s(0, 64, 0)
+    for waited, resident, expected in [
+        (allowance + 0.001, True, True),
+        (0.15 * recompute - 0.001, True, True),
+        (0.15 * recompute + 0.001, True, False),
+        (allowance + 0.001, None, False),
+        (allowance + 0.001, False, False),
+    ]:
+        wait, _ = model.may_wait(
+            "probe", waited, waited, 0, 64, 0, 2, first_round_resident=resident
+        )
+        assert wait is expected, (waited, resident)

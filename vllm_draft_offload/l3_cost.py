@@ -28,8 +28,9 @@ that fraction, however slow the storage turns out to be.
 `l3.wait_past_allowance` is off), on what the estimates promise, in three bounded
 bets: a lookup for two round trips and two polls; a fetch before its first landing
 for FIRST_LANDING_FACTOR times the estimated first landing from its start, and only
-when that estimate is at most PROBE_WAIT_FRACTION * R or the page cache holds the
-first round (l3_first_landing.py, l3_residency.py); a fetch whose units land
+when that estimate is at most PROBE_WAIT_FRACTION * R, or, when the page cache holds
+the first round, for up to RESIDENT_LANDING_FACTOR times it within
+RESIDENT_WAIT_FRACTION * R (l3_first_landing.py, l3_residency.py); a fetch whose units land
 while the pace they make finishes it before recomputing what has not landed, and
 the next landing comes within two unit times and polls.
 
@@ -44,12 +45,10 @@ waiting loses at most
 
 beyond what landed chunks save, and, once units land, at most two unit times and
 polls after the storage stops keeping the pace it showed. A first round known
-resident bets FIRST_LANDING_FACTOR times its estimated first landing instead of the
-last term: that estimate is under the estimated load, itself under R (no bet is made
-on a load that does not beat recomputing), and at most parallel / n of the load for a
-fetch of n units past one round (64 units on 8 threads: the term is under 19 % of R).
-Resident data lands at memory speed, so that bet turns slow only when the pages are
-evicted between the lookup and the reads or the host stalls. A storage that answers
+resident (or a probe of resident files) bets at most RESIDENT_WAIT_FRACTION * R (15 %)
+and a poll instead of the last term (l3_first_landing.py says why the slack). Resident
+data lands at memory speed, so that bet turns slow only when the pages are evicted
+between the lookup and the reads or the host stalls. A storage that answers
 its lookup within the allowance and whose first round, not known resident, the
 estimate prices beyond PROBE_WAIT_FRACTION * R (a cold disk priced from reads that
 landed together: the H100 cold restart, 45 ms a unit against a 29 ms allowance) gets
@@ -77,7 +76,11 @@ from itertools import combinations
 
 import numpy as np
 
-from vllm_draft_offload.l3_first_landing import may_wait_for_first_landing
+from vllm_draft_offload.l3_first_landing import (
+    RESIDENT_WAIT_FRACTION,
+    may_wait_for_first_landing,
+    may_wait_for_resident_probe,
+)
 from vllm_draft_offload.l3_storage_estimate import PROBE_UNITS, StorageEstimate
 
 __all__ = ["PROBE_UNITS", "CostModel", "PrefillEstimate", "StorageEstimate", "fit_steps"]
@@ -407,21 +410,24 @@ class CostModel:
         start, before any unit landed), for chunks [first_chunk, first_chunk +
         num_chunks): `landed` leading ones are in, `coming` more are being fetched.
         Always within wait_allowance_s. While the storage is unmeasured (a `probe`)
-        nothing more. Once it is measured, and unless `wait_past_allowance` is off,
-        also (the bets the module docstring bounds):
+        only a probe of resident files, up to RESIDENT_WAIT_FRACTION of the recompute.
+        Once it is measured, and unless `wait_past_allowance` is off, also (the bets
+        the module docstring bounds):
         * a lookup within two round trips and two steps (an answer reaches the
           scheduler only with a step);
-        * a fetch before any unit landed, for FIRST_LANDING_FACTOR times its estimated
-          first landing (StorageEstimate.first_landing_s) from its start, when the
-          estimated load beats recomputing and either `first_round_resident` (the page
-          cache held every file of the first round when the lookup found it,
-          l3_residency.py) or that estimate is at most PROBE_WAIT_FRACTION of the
-          recompute looked up (l3_first_landing.py). Reads sent together land together, so
-          nothing can be seen sooner; but storage slower than its estimate is seen by
-          that time, not after two unit times and steps of no progress (H100, session
-          16: a cold restart priced 64 units at 0.36 s from a 45 ms unit time, saw
-          nothing land, and gave up 0.12 s in against a 0.03 s allowance, 1.26 x
-          recompute; a first round estimated past 5 % of the recompute is no bet);
+        * a fetch before any unit landed, when the estimated load beats recomputing: if
+          `first_round_resident` (the page cache held every file of the first round when
+          the lookup found it, l3_residency.py), for RESIDENT_LANDING_FACTOR times its
+          estimated first landing (StorageEstimate.first_landing_s) from its start but
+          at most RESIDENT_WAIT_FRACTION of the recompute looked up; otherwise for
+          FIRST_LANDING_FACTOR times that estimate, and only when the estimate is at
+          most PROBE_WAIT_FRACTION of the recompute (l3_first_landing.py). Reads sent
+          together land together, so nothing can be seen sooner; but storage slower than
+          its estimate is seen by that time, not after two unit times and steps of no
+          progress (H100, session 16: a cold restart priced 64 units at 0.36 s from a 45
+          ms unit time, saw nothing land, and gave up 0.12 s in against a 0.03 s
+          allowance, 1.26 x recompute; a first round estimated past 5 % of the recompute
+          is no bet);
         * a fetch whose units land while it keeps the pace (a landing within two unit
           times and steps) and finishing it at that pace beats recomputing what has
           not landed.
@@ -442,8 +448,14 @@ class CostModel:
         if waited_s < allowance:
             return True, allowance
         storage = self.storage
-        if not self.wait_past_allowance or phase == "probe" or storage.samples == 0:
+        if not self.wait_past_allowance:
             return False, allowance
+        whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
+        resident_limit = RESIDENT_WAIT_FRACTION * whole
+        if phase == "probe" or storage.samples == 0:
+            return may_wait_for_resident_probe(
+                waited_s, first_round_resident, resident_limit
+            ), allowance
         step_s = self.step_s if poll_s is None else poll_s
         if phase == "lookup":
             return waited_s < 2 * (storage.round_trip_s + step_s), allowance
@@ -458,13 +470,13 @@ class CostModel:
             # first round, which lands together, no longer than the estimate's time for
             # it (with some slack), and only where it is resident or the estimate is
             # itself a bounded bet.
-            whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
             wait = may_wait_for_first_landing(
                 stalled_s,
                 storage.first_landing_s(left),
                 cold_limit_s=PROBE_WAIT_FRACTION * whole,
                 load_beats_recompute=worth,
                 first_round_resident=first_round_resident,
+                resident_limit_s=resident_limit,
             )
             return wait, allowance
         return worth and stalled_s < 2 * (storage.unit_s + step_s), allowance
