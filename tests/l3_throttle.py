@@ -13,7 +13,6 @@ times that, as on a disk whose bandwidth one read already fills.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from vllm_draft_offload.bench.speed.disk_baseline import evict_from_page_cache
 from vllm_draft_offload.l3_residency import file_resident
 from vllm_draft_offload.l3_store import L3Store
 
@@ -114,11 +114,6 @@ def cold_files(root: Path) -> None:
     the kernel keeps the pages (tmpfs, or a filesystem that ignores the advice)."""
     files = [path for path in root.rglob("*") if path.is_file()]
     for path in files:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_from_page_cache(path)
     if any(file_resident(path) for path in files):
         pytest.skip(f"the page cache kept files under {root}: storage cannot be made cold")

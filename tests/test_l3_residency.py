@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from test_l3_prefetch import _prefetch, _put_unit, _stored_prompt
 
+from vllm_draft_offload.bench.speed.disk_baseline import evict_from_page_cache
 from vllm_draft_offload.l3_decisions import L3Decision
 from vllm_draft_offload.l3_residency import (
     Presence,
@@ -17,16 +18,6 @@ from vllm_draft_offload.l3_residency import (
     first_round_residency,
     residency_of,
 )
-
-
-def _evict(path: Path) -> None:
-    """Drop the file's pages from the page cache (written back first: dirty pages stay)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _skip_unless_evicted(path: Path) -> None:
@@ -56,7 +47,7 @@ def test_a_read_file_is_resident_and_an_evicted_one_is_not(tmp_path: Path) -> No
     path.write_bytes(os.urandom(3 << 20))
     assert path.read_bytes()  # read: every page cached
     assert file_resident(path) is True
-    _evict(path)
+    evict_from_page_cache(path)
     _skip_unless_evicted(path)
     assert file_resident(path) is False
     # One page read back (not the whole file): still not resident.
@@ -128,7 +119,7 @@ def test_the_lookup_reports_its_first_rounds_residency(tmp_path: Path) -> None:
     assert present.first_round == Residency(6, 6)
 
     for path in files:
-        _evict(path)
+        evict_from_page_cache(path)
     _skip_unless_evicted(files[0])
     present = lookup.lookup(keys).result(5)
     assert present.first_round == Residency(6, 0)

@@ -100,13 +100,19 @@ def evict(paths: Iterable[Path], drop_caches: bool = False) -> str:
         except OSError:
             pass  # e.g. a read-only /proc in a container: fall back to per-file eviction
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_from_page_cache(path)
     return "fadvise_dontneed"
+
+
+def evict_from_page_cache(path: Path) -> None:
+    """Drop one file's pages from the page cache, written back first (the kernel keeps
+    dirty pages); no root needed."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def cache(paths: Iterable[Path], threads: int = 4) -> dict[str, Any]:
