@@ -450,11 +450,10 @@ class CostModel:
         storage = self.storage
         if not self.wait_past_allowance:
             return False, allowance
-        whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
-        resident_limit = RESIDENT_WAIT_FRACTION * whole
         if phase == "probe" or storage.samples == 0:
+            whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
             return may_wait_for_resident_probe(
-                waited_s, first_round_resident, resident_limit
+                waited_s, first_round_resident, RESIDENT_WAIT_FRACTION * whole
             ), allowance
         step_s = self.step_s if poll_s is None else poll_s
         if phase == "lookup":
@@ -470,13 +469,14 @@ class CostModel:
             # first round, which lands together, no longer than the estimate's time for
             # it (with some slack), and only where it is resident or the estimate is
             # itself a bounded bet.
+            whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
             wait = may_wait_for_first_landing(
                 stalled_s,
                 storage.first_landing_s(left),
                 cold_limit_s=PROBE_WAIT_FRACTION * whole,
                 load_beats_recompute=worth,
                 first_round_resident=first_round_resident,
-                resident_limit_s=resident_limit,
+                resident_limit_s=RESIDENT_WAIT_FRACTION * whole,
             )
             return wait, allowance
         return worth and stalled_s < 2 * (storage.unit_s + step_s), allowance

@@ -17,8 +17,9 @@ a request waits, counted from its lookup: always within 5 % of the estimated
 recompute of what it looks up plus what the chunks that landed save (all it gets
 while the storage is unmeasured, i.e. for the probe), and once the storage is
 measured also in bounded bets past it: a slow lookup, a fetch's first round within
-1.5 x its estimated time (if that is short, or the lookup found the round in the page
-cache: l3_residency.py), a fetch that keeps the pace its landings show (l3_cost.py
+1.5 x its estimated time if that is short (within 3 x and 15 % of the recompute if the
+lookup found the round in the page cache: l3_residency.py; a probe of resident files
+too), a fetch that keeps the pace its landings show (l3_cost.py
 states the worst case). When it stops waiting it is
 admitted with the leading chunks that landed; its other fetches finish in the
 background into the CPU tier, except after a fetch (not a probe) it gave up as too
