@@ -480,8 +480,15 @@ class SimEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    def add_request(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         params.update_from_generation_config({}, EOS)
         request = Request(
             request_id=req_id,

@@ -474,3 +474,52 @@ def test_unit_evicted_mid_prefix_keeps_the_chunks_before_it(
     published = eng.take_published()
     assert published["fallbacks"] == {"load_error": 1}
     assert published["chunks"]["load/cpu"] == 1  # the first chunk still came from the tier
+
+
+def test_requests_opt_out_of_stores_and_loads(
+    model_dirs: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """kv_transfer_params["draft_offload"]: `store: false` leaves the tier untouched,
+    `load: false` recomputes a prefix the tier holds, and a value that is not a
+    boolean is logged by its field and read as both (the cache is left alone)."""
+    eng = engine(model_dirs, eagle=True)
+    tokens = prompt(21, 2 * CHUNK + 1)
+    eng.add_request(
+        "private", tokens, max_tokens=3, kv_transfer_params={"draft_offload": {"store": False}}
+    )
+    eng.run_until_done()
+    assert len(index_of(eng)) == 0
+    with caplog.at_level("WARNING", logger="vllm_draft_offload.request_options"):
+        eng.add_request(
+            "typo", tokens, max_tokens=3, kv_transfer_params={"draft_offload": {"store": "no"}}
+        )
+        eng.run_until_done()
+    assert len(index_of(eng)) == 0
+    assert "kv_transfer_params.draft_offload.store" in caplog.text
+    eng.add_request("public", tokens, max_tokens=3)
+    eng.run_until_done()
+    assert len(index_of(eng)) == 2
+    eng.evict_gpu_kv()
+    eng.add_request(
+        "no-load", tokens, max_tokens=3, kv_transfer_params={"draft_offload": {"load": False}}
+    )
+    eng.run_prefill("no-load")
+    assert eng.external_hits["no-load"] == 0
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    eng.add_request(
+        "typo-load", tokens, max_tokens=3, kv_transfer_params={"draft_offload": {"lod": False}}
+    )
+    eng.run_prefill("typo-load")
+    assert eng.external_hits["typo-load"] == 0
+    eng.run_until_done()
+    eng.evict_gpu_kv()
+    eng.add_request("restored", tokens, max_tokens=3)
+    eng.run_prefill("restored")
+    assert eng.external_hits["restored"] == 2 * CHUNK - 1
+    assert eng.mismatched_positions("restored") == []
+    eng.run_until_done()
+    outputs = {
+        eng.outputs[r] == eng.outputs["private"] for r in ("typo", "public", "no-load", "restored")
+    }
+    assert outputs == {True}

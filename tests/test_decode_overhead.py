@@ -158,7 +158,8 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     row = rep.table_row("small", report)
     assert row == {
         "shape": "small", "decode_tok_s_none": 1000.0, "decode_tok_s_store": 980.0,
-        "store_vs_none": 0.98, "idle_vs_none": 0.995, "stored_fraction": 79.0 / 80.0,
+        "store_vs_none": 0.98, "idle_vs_none": 0.995, "store_on_vs_off_paired": None,
+        "none_on_vs_off_paired": None, "store_off_vs_none": None, "stored_fraction": 79.0 / 80.0,
         "turn2_decode_kv_reused": True, "turn2_outputs_match": True,
         "turn2_acceptance_ratio": 0.95,
     }  # fmt: skip
@@ -315,3 +316,64 @@ def test_each_engine_is_written_out_before_the_next_one_starts(
     assert dec.engine_line(configs["none"][1]) == "decode tok/s per batch [102]"
     final = dec.write_out(out, {"small": report}, complete=True)
     assert final["complete"] is True and final["table"] == [{"shape": "small"}]
+
+
+def test_pairs_alternate_their_order_and_only_storing_engines_opt_out() -> None:
+    assert dec.batch_arms(3, paired=True) == [
+        (0, "on"), (0, "off"), (1, "off"), (1, "on"), (2, "on"), (2, "off"),
+    ]  # fmt: skip
+    assert dec.batch_arms(2, paired=False) == [(0, "on"), (1, "on")]
+    opt_out = {"draft_offload": {"store": False}}
+    for config in ("store", "store_dma", "store_kernel"):
+        assert dec.arm_params(config, "off") == opt_out
+        assert dec.arm_params(config, "on") is None
+    for config in ("none", "idle", "null", "native"):
+        assert dec.arm_params(config, "off") is None
+    # The opt-out is what the connector reads from a request's kv_transfer_params.
+    from vllm_draft_offload.request_options import request_options
+
+    assert request_options(opt_out) == request_options(None).model_copy(update={"store": False})
+    # On batches keep the prompts every engine shares; off batches get new ones.
+    assert dec.arm_prompts(1, "on", 2, 64) == dec.batch_prompts(1, 2, 64)
+    on = {tuple(p[:16]) for r in range(3) for p in dec.arm_prompts(r, "on", 4, 64)}
+    off = {tuple(p[:16]) for r in range(3) for p in dec.arm_prompts(r, "off", 4, 64)}
+    assert len(on) == len(off) == 12 and not on & off
+
+
+def _pair(rep_index: int, on: float, off: float) -> list[dict]:
+    return [
+        {"rep": rep_index, "arm": "on", **_rep(on)},
+        {"rep": rep_index, "arm": "off", **_rep(off, stored=0.0)},
+    ]
+
+
+def test_paired_ratios_divide_out_each_engines_speed() -> None:
+    """Two store engines, one 30 % faster than the other: across engines the medians
+    mix their speeds; per pair, both show the stores' 2 % cost. none's pairs are the
+    noise floor."""
+    report = _report(
+        none=[{"reps": _pair(0, 1000.0, 1010.0) + _pair(1, 990.0, 980.0)}],
+        store=[
+            {"reps": _pair(0, 980.0, 1000.0) + _pair(1, 1274.0, 1300.0)},
+            {"reps": _pair(0, 1078.0, 1100.0)},
+        ],
+    )
+    rep.summarize(report)
+    summary = report["summary"]
+    store = summary["paired"]["store"]
+    assert store["pairs"] == 3 and store["on_vs_off"] == pytest.approx(0.98)
+    assert store["range"] == [pytest.approx(0.98), pytest.approx(0.98)]
+    none = summary["paired"]["none"]
+    assert none["pairs"] == 2 and none["range"] == [1000.0 / 1010.0, 990.0 / 980.0]
+    # Unpaired figures use on batches only; off batches of storing engines vs none.
+    assert summary["decode_tok_s"]["store"] == 1078.0
+    assert summary["stored_chunks_per_batch"] == [80.0, 80.0, 80.0]
+    assert summary["store_off_vs_none"] == pytest.approx(1100.0 / 995.0)
+    row = rep.table_row("llama8b", report)
+    assert row["store_on_vs_off_paired"] == pytest.approx(0.98)
+    assert row["none_on_vs_off_paired"] == none["on_vs_off"]
+    # A report from before pairs (no arms) has no paired figures.
+    old = _report(none=[{"reps": [_rep(1000.0)]}], store=[{"reps": [_rep(990.0)]}])
+    rep.summarize(old)
+    assert old["summary"]["paired"] == {"none": None, "store": None}
+    assert old["summary"]["store_vs_none"] == 0.99

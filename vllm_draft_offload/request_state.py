@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from vllm_draft_offload.chunk_keys import ChunkKeyChain
 from vllm_draft_offload.cpu_index import UnitId
 from vllm_draft_offload.hit_logic import PrefixMatch
+from vllm_draft_offload.request_options import DEFAULT, RequestOptions
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -33,3 +34,5 @@ class RequestState:
     pending_fetches: dict[UnitId, int] | None = None
     # Where the last admitted hit starts (its restore is counted from there).
     hit_start: int = 0
+    # What the request's kv_transfer_params ask (request_options.py).
+    options: RequestOptions = DEFAULT

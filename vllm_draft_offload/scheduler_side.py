@@ -29,6 +29,7 @@ from vllm_draft_offload.metadata import (
     TransferJob,
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
+from vllm_draft_offload.request_options import request_options
 from vllm_draft_offload.request_state import RequestState
 from vllm_draft_offload.restore_overlap import OverlappedLoads
 from vllm_draft_offload.store_planner import (
@@ -165,7 +166,11 @@ class DraftOffloadScheduler:
             return None
         lora = request.lora_request.lora_name if request.lora_request else None
         salt = request_salt(self.salt, lora, request.cache_salt)
-        state = RequestState(request, ChunkKeyChain(salt, self.chunk_size))
+        state = RequestState(
+            request,
+            ChunkKeyChain(salt, self.chunk_size),
+            options=request_options(request.kv_transfer_params, request.request_id),
+        )
         self._requests[request.request_id] = state
         return state
 
@@ -183,7 +188,7 @@ class DraftOffloadScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         state = self._state(request)
-        if state is None:
+        if state is None or not state.options.load:
             return 0, False
         tokens = request.all_token_ids
         match = self._match(state, num_computed_tokens)
@@ -296,6 +301,7 @@ class DraftOffloadScheduler:
             # No slot for a store: a queued L3 write gives its slot back once confirmed.
             on_full=self.l3_writes.relieve if self.l3_writes is not None else None,
             state_blocks=state_blocks,
+            allowed=state.options.store,
         )
         if plan.window_lost:
             self.pins.give_up(req_id)
@@ -420,6 +426,7 @@ class DraftOffloadScheduler:
             self.num_successors,
             self.config,
             self.chunk_size,
+            state.options.store,
         )
         if limit > first:
             return False

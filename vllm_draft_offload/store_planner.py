@@ -155,10 +155,12 @@ def store_range(
     num_successors: int,
     config: DraftOffloadConfig,
     chunk_size: int,
+    allowed: bool = True,
 ) -> tuple[int, int]:
     """(first, limit): the request's chunks [first, limit) that may be stored this step,
     from `next_chunk` on; none (limit <= first) on most decode steps, which complete
-    no chunk. Cheap: no block table, no keys."""
+    no chunk, and none when the request opted out (`allowed` false). Cheap: no block
+    table, no keys."""
     limit = storable_chunk_limit(
         request.num_tokens,
         computed_after_step,
@@ -170,7 +172,7 @@ def store_range(
     # vLLM lowers num_computed_tokens when a load fails (recompute policy): chunks
     # past it are recomputed, and only what is recomputed may be stored.
     first = min(next_chunk, request.num_computed_tokens // chunk_size)
-    if request.num_tokens < config.min_store_tokens:
+    if not allowed or request.num_tokens < config.min_store_tokens:
         return first, first
     return first, limit
 
@@ -187,12 +189,20 @@ def plan_request_stores(
     block_ids: tuple[list[int], ...],
     on_full: Callable[[], None] | None = None,
     state_blocks: dict[int, dict[int, int]] | None = None,
+    allowed: bool = True,
 ) -> StorePlan:
     """Store plan of one request for this step: chunks from `next_chunk` whose KV is
-    complete by the end of the step and whose successor tokens are known."""
+    complete by the end of the step and whose successor tokens are known (none when
+    the request opted out of stores: `allowed` false)."""
     tokens = request.all_token_ids
     next_chunk, limit = store_range(
-        request, next_chunk, computed_after_step, num_successors, config, layout.chunk_size
+        request,
+        next_chunk,
+        computed_after_step,
+        num_successors,
+        config,
+        layout.chunk_size,
+        allowed,
     )
     if limit <= next_chunk:
         return StorePlan(

@@ -52,6 +52,11 @@
 #             /root/decode_8b.json
 #   decode-8b-rounds  decode-overhead at the 8B shape, none and store, 3 compiled engines
 #             each, alternating, 3 batches an engine (about 15 min): /root/decode_8b_rounds.json
+#   decode-8b-paired  decode-overhead at the 8B shape, none, store and store_dma, 2
+#             compiled engines each, 4 pairs of batches an engine (with stores and with
+#             the requests opted out of them: the stores' cost inside one engine; about
+#             16 min, estimated): /root/decode_8b_paired.json
+#   decode-small-paired  the same at the small shape: /root/decode_small_paired.json
 #   decode-paths  the 8B shape's stores on each copy path: none, store_dma, store_kernel
 #             and store (auto), compiled, 4 batches each, the hooks timed, then one
 #             profiled batch each: /root/decode_paths_8b.json
@@ -190,6 +195,12 @@ declare -A CMD=(
     --out /root/restore_speed_l3_overlap.json"
   [decode-8b-rounds]="vllm-draft-offload decode-overhead --shape llama8b --configs none,store \
       --rounds 3 --reps 3 --turn-prompts 0 --engine-timeout 400 --out /root/decode_8b_rounds.json"
+  [decode-8b-paired]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs none,store,store_dma --rounds 2 --reps 4 --turn-prompts 0 --engine-timeout 400 \
+      --out /root/decode_8b_paired.json"
+  [decode-small-paired]="vllm-draft-offload decode-overhead --shape small \
+      --configs none,store,store_dma --rounds 2 --reps 4 --turn-prompts 0 --engine-timeout 400 \
+      --out /root/decode_small_paired.json"
   [decode-prof]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle --reps 1 \
       --turn-prompts 0 --profile --out /root/decode_prof_small.json"
   [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
@@ -235,7 +246,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)

@@ -34,12 +34,22 @@ process): its wall time, the GPU's busy time (kernels and copies, summed), and t
 top operations by CPU and by GPU time, in ``profile``. A gap between two engines that
 shows in wall time and not in GPU time is host-side (launches, hooks, syncs).
 
-Each engine decodes ``--reps`` batches of ``--batch`` new prompts of
+Each engine decodes ``--reps`` pairs of batches of ``--batch`` new prompts of
 ``--prompt-tokens`` tokens, ``--decode-tokens`` tokens each (greedy, EOS ignored), after
-a warm-up batch. Decode throughput is the batch's output tokens after the first, over
+a warm-up batch. A pair is an ``on`` batch and an ``off`` batch, in alternating order;
+in an engine that stores, the ``off`` batch's requests opt out of stores
+(``kv_transfer_params={"draft_offload": {"store": false}}``), so the pair's ratio is
+what the stores cost, with the engine's own speed (which differed by up to 1.3 x
+between engines of one config on an H100, session 16) divided out. In every other
+engine both batches are plain, and their ratios are the method's noise floor.
+``--no-paired``: ``on`` batches only. Decode throughput is the batch's output tokens
+after the first, over
 the time from the last request's first token to the last request's last token (the
-engine's own timestamps); ``store_vs_none`` is the median of ``store`` over the median
-of ``none`` (the goal: >= 0.97), ``idle_vs_none`` the same for ``idle``.
+engine's own timestamps); ``store_vs_none`` is the median of ``store``'s ``on``
+batches over the median of ``none``'s (the goal: >= 0.97), ``idle_vs_none`` the same
+for ``idle``; ``paired`` gives per config the median on/off ratio of its pairs and
+their range, and ``store_off_vs_none`` the storing engines' ``off`` batches over
+``none`` (what the connector costs apart from its stores, across engines).
 ``stored_fraction``: chunks the connector stored over the batch's whole chunks (the
 last token of an answer has no KV, so a request has ``(prompt + decode - 1) // chunk``
 of them).
@@ -74,6 +84,7 @@ from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.speed.decode_report import (
+    STORING,
     acceptance_length,
     decode_rate,
     summarize,
@@ -101,6 +112,7 @@ CHILD_FLAGS = (
     "turn_prompts", "turn_decode_tokens", "turn_user_tokens",
 )  # fmt: skip
 FIRST_TOKEN = 500  # token ids below this are left alone (specials of real vocabularies)
+OFF_REP_OFFSET = 1000  # an off batch's prompts: batch_prompts(OFF_REP_OFFSET + rep)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -112,6 +124,35 @@ def tokens(seed: int, n: int) -> list[int]:
 def batch_prompts(rep: int, batch: int, length: int) -> list[list[int]]:
     """Batch ``rep``'s prompts (rep -1: the warm-up): new to every engine and rep."""
     return [tokens(1_000_003 * (rep + 2) + i, length) for i in range(batch)]
+
+
+def batch_arms(reps: int, paired: bool) -> list[tuple[int, str]]:
+    """The timed batches of an engine, in order: (rep, arm). Paired, each rep runs an
+    ``on`` and an ``off`` batch, in the order on-off, off-on, on-off, ... so that a
+    drift over the engine's life weighs on both arms alike."""
+    if not paired:
+        return [(rep, "on") for rep in range(reps)]
+    return [
+        (rep, arm)
+        for rep in range(reps)
+        for arm in (("on", "off") if rep % 2 == 0 else ("off", "on"))
+    ]
+
+
+def arm_prompts(rep: int, arm: str, batch: int, length: int) -> list[list[int]]:
+    """An arm's prompts: ``on`` batches get ``batch_prompts(rep)`` (the same in every
+    engine), ``off`` batches prompts of their own (new to the engine: no prefix hit)."""
+    return batch_prompts(rep if arm == "on" else OFF_REP_OFFSET + rep, batch, length)
+
+
+def arm_params(config: str, arm: str) -> dict[str, Any] | None:
+    """An arm's ``kv_transfer_params``: an ``off`` batch of an engine that stores opts
+    out of stores (request_options.py), so the pair differs by the stores alone; every
+    other batch is plain (in ``none``, ``idle``, ``null`` and ``native`` engines the
+    pair measures the method's own noise)."""
+    if arm == "off" and config in STORING:
+        return {"draft_offload": {"store": False}}
+    return None
 
 
 def connector_config(
@@ -205,13 +246,23 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         **cpu,
     )
 
-    def generate(prompts: list[list[int]], max_tokens: int, salt: str | None = None) -> list:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    def generate(
+        prompts: list[list[int]],
+        max_tokens: int,
+        salt: str | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> list:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params else None,
+        )
         inputs = [
             TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {}))
             for p in prompts
         ]
-        return llm.generate(inputs, params, use_tqdm=False)
+        return llm.generate(inputs, sampling, use_tqdm=False)
 
     def step() -> None:
         """A request shorter than a block: the engine steps, nothing is stored."""
@@ -228,12 +279,16 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     settle()
     clock = hook_clock(*engine_parts(llm)) if args.time_hooks and args.config != "none" else None
     result: dict[str, Any] = {"config": args.config, "reps": []}
-    for rep in range(args.reps):
+    for rep, arm in batch_arms(args.reps, args.paired):
         before = snapshot_metrics()
         if clock is not None:
             clock.on = True
         start = time.perf_counter()
-        outs = generate(batch_prompts(rep, args.batch, args.prompt_tokens), args.decode_tokens)
+        outs = generate(
+            arm_prompts(rep, arm, args.batch, args.prompt_tokens),
+            args.decode_tokens,
+            params=arm_params(args.config, arm),
+        )
         wall = time.perf_counter() - start
         hooks = None
         if clock is not None:
@@ -244,6 +299,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         records = [request_record(o, None) for o in outs]
         result["reps"].append(
             {
+                "rep": rep,
+                "arm": arm,
                 **decode_rate(records),
                 "wall_s": wall,
                 "output_tok_s": sum(r["out_len"] for r in records) / wall,
@@ -400,6 +457,8 @@ def child_command(
         cmd.append("--profile")
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if not args.paired:
+        cmd.append("--no-paired")
     if args.dry_run_cpu:
         cmd.append("--dry-run-cpu")
     return cmd
@@ -501,6 +560,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--turn-user-tokens", type=int, default=64)
     parser.add_argument("--no-draft", action="store_true")
+    parser.add_argument(
+        "--no-paired",
+        dest="paired",
+        action="store_false",
+        help="one batch per rep instead of a pair: with stores (on) and without "
+        "(off: the requests opt out of stores), in one engine",
+    )
     parser.add_argument(
         "--copy-path",
         choices=("auto", "memcpy", "kernel"),

@@ -36,6 +36,40 @@ def acceptance_length(counters: dict[str, float]) -> float | None:
     return 1.0 + counters.get(ACCEPTED, 0.0) / drafts if drafts > 0 else None
 
 
+# Engines whose paired off batches opt out of stores (decode_overhead.STORING).
+STORING = ("store", "store_dma", "store_kernel")
+
+
+def arm_rates(runs: list[dict[str, Any]], arm: str) -> list[float]:
+    """Decode tokens/s of every batch of ``arm`` in a config's engines (a rep without an
+    arm, from a run before pairs, is an ``on`` batch)."""
+    return [
+        rep["decode_tok_s"]
+        for run in runs
+        for rep in run.get("reps", [])
+        if rep.get("decode_tok_s") and rep.get("arm", "on") == arm
+    ]
+
+
+def paired(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The on/off ratio of every pair in a config's engines, their median and range."""
+    ratios = []
+    for run in runs:
+        arms: dict[int, dict[str, float]] = {}
+        for rep in run.get("reps", []):
+            if rep.get("decode_tok_s") and "rep" in rep:
+                arms.setdefault(rep["rep"], {})[rep["arm"]] = rep["decode_tok_s"]
+        ratios += [pair["on"] / pair["off"] for pair in arms.values() if len(pair) == 2]
+    if not ratios:
+        return None
+    return {
+        "on_vs_off": statistics.median(ratios),
+        "range": [min(ratios), max(ratios)],
+        "pairs": len(ratios),
+        "ratios": ratios,
+    }
+
+
 def _ratio(rates: dict[str, float | None], config: str, base: str) -> float | None:
     value, reference = rates.get(config), rates.get(base)
     return value / reference if value and reference else None
@@ -51,12 +85,7 @@ def summarize(report: dict[str, Any]) -> None:
     best: dict[str, float | None] = {}
     spread: dict[str, list[float] | None] = {}
     for config, runs in report["configs"].items():
-        values = [
-            rep["decode_tok_s"]
-            for run in runs
-            for rep in run.get("reps", [])
-            if rep.get("decode_tok_s")
-        ]
+        values = arm_rates(runs, "on")
         rates[config] = statistics.median(values) if values else None
         best[config] = max(values) if values else None
         spread[config] = [min(values), max(values)] if values else None
@@ -77,8 +106,19 @@ def summarize(report: dict[str, Any]) -> None:
         "store_dma_vs_none": _ratio(rates, "store_dma", "none"),
         "store_kernel_vs_none": _ratio(rates, "store_kernel", "none"),
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
+        "paired": {config: paired(runs) for config, runs in report["configs"].items()},
     }
-    store_reps = [rep for run in report["configs"].get("store", []) for rep in run.get("reps", [])]
+    off = [
+        rate for config in STORING for rate in arm_rates(report["configs"].get(config, []), "off")
+    ]
+    if off and rates.get("none"):
+        summary["store_off_vs_none"] = statistics.median(off) / rates["none"]
+    store_reps = [
+        rep
+        for run in report["configs"].get("store", [])
+        for rep in run.get("reps", [])
+        if rep.get("arm", "on") == "on"
+    ]
     if store_reps:
         expected = report["batch"] * whole_chunks(
             report["prompt_tokens"], report["decode_tokens"], report["chunk_size"]
@@ -123,6 +163,9 @@ def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "decode_tok_s_store": summary.get("decode_tok_s", {}).get("store"),
         "store_vs_none": summary.get("store_vs_none"),
         "idle_vs_none": summary.get("idle_vs_none"),
+        "store_on_vs_off_paired": (summary.get("paired", {}).get("store") or {}).get("on_vs_off"),
+        "none_on_vs_off_paired": (summary.get("paired", {}).get("none") or {}).get("on_vs_off"),
+        "store_off_vs_none": summary.get("store_off_vs_none"),
         "stored_fraction": summary.get("stored_fraction"),
         "turn2_decode_kv_reused": turns.get("decode_kv_reused"),
         "turn2_outputs_match": turns.get("outputs_match"),
