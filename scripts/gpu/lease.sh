@@ -57,6 +57,14 @@
 #             the requests opted out of them: the stores' cost inside one engine; about
 #             16 min, estimated): /root/decode_8b_paired.json
 #   decode-small-paired  the same at the small shape: /root/decode_small_paired.json
+#   decode-8b-hooks  decode-overhead at the 8B shape, store and store_dma, one engine
+#             each in the child's process, 6 pairs, the hooks timed per batch: what the
+#             stores add to the host's work per batch, on and off (about 7 min, estimated)
+#   decode-8b-paired2  decode-8b-paired with one engine per config and 6 pairs each
+#             (about 10 min, estimated): /root/decode_8b_paired2.json
+#   l3-pieces  l3-stages with 256 KiB, 1 MiB and 4 MiB fetch pieces, 8 threads, quiet and
+#             beside a 0.5 ms engine loop: whether a smaller piece keeps the checksum in
+#             the CPU cache (about 2 min, estimated): /root/l3_stages_pieces.json
 #   decode-paths  the 8B shape's stores on each copy path: none, store_dma, store_kernel
 #             and store (auto), compiled, 4 batches each, the hooks timed, then one
 #             profiled batch each: /root/decode_paths_8b.json
@@ -201,6 +209,14 @@ declare -A CMD=(
   [decode-small-paired]="vllm-draft-offload decode-overhead --shape small \
       --configs none,store,store_dma --rounds 2 --reps 4 --turn-prompts 0 --engine-timeout 400 \
       --out /root/decode_small_paired.json"
+  [decode-8b-hooks]="vllm-draft-offload decode-overhead --shape llama8b --configs store,store_dma \
+      --reps 6 --turn-prompts 0 --time-hooks --engine-timeout 400 --out /root/decode_8b_hooks.json"
+  [decode-8b-paired2]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs none,store,store_dma --reps 6 --turn-prompts 0 --engine-timeout 400 \
+      --out /root/decode_8b_paired2.json"
+  [l3-pieces]="vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
+      --engine-loop-ms 0,0.5 --writes 0 --piece-kib 256,1024,4096 --switch-interval-ms 0.5 \
+      --out /root/l3_stages_pieces.json; rm -rf /root/l3-stages"
   [decode-prof]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle --reps 1 \
       --turn-prompts 0 --profile --out /root/decode_prof_small.json"
   [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
@@ -246,7 +262,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -302,7 +318,7 @@ collect)
     [ -f "/root/$d/pressure.json" ] && mkdir -p "$C/$d" &&
       cp "/root/$d/pressure.json" "/root/$d/pressure.md" "$C/$d"/
   done
-  cp /root/restore_speed_*.json /root/l3_stages.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
+  cp /root/restore_speed_*.json /root/l3_stages*.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
   for d in copy copy-table; do [ -d "/root/$d" ] && cp -r "/root/$d" "$C"/; done
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
   tar -czf /root/lease.tgz -C /root collect
