@@ -64,6 +64,9 @@ def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path)
     )  # fmt: skip
     assert rc == 0
     report = json.loads(out.read_text())
+    # Where it ran: the GPU (here none) and the versions behind the figures.
+    assert report["gpu"] == "cpu"
+    assert report["versions"]["lmcache"] and report["versions"]["xxhash"]
     rows = report["scenarios"]
     # Every engine loop x writes (not held, and held to one at a time).
     assert [(r["piece_kib"], r["engine_loop_ms"], r["writes"], r["writes_held"]) for r in rows] == [

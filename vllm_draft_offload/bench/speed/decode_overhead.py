@@ -83,6 +83,7 @@ from vllm_draft_offload.bench.kv_configs import native_offloading_config
 from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.provenance import provenance
 from vllm_draft_offload.bench.speed.decode_report import (
     STORING,
     acceptance_length,
@@ -521,12 +522,8 @@ def engine_line(run: dict[str, Any]) -> str:
 def write_out(path: Path, shapes: dict[str, Any], complete: bool) -> dict[str, Any]:
     """The output file: every shape's report so far; ``complete`` False while engines
     are still to run (no table then: a shape's summary comes after its last engine)."""
-    import torch
-    import vllm
-
     out = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        **provenance(),
         "complete": complete,
         "shapes": shapes,
         "table": [table_row(name, report) for name, report in shapes.items()] if complete else [],

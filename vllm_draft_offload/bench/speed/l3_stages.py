@@ -68,6 +68,7 @@ from typing import Any
 from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
 
 from vllm_draft_offload.bench.options import command_parser
+from vllm_draft_offload.bench.provenance import provenance
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import GroupLayout, LayerSlot, UnitLayout
 from vllm_draft_offload.l3_backends import inner_connector, make_key
@@ -410,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bench.close()
         sys.setswitchinterval(python_default)
     report: dict[str, Any] = {
+        **provenance(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "directory": str(args.dir),

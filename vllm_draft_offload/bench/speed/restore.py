@@ -83,6 +83,7 @@ from typing import Any
 from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
+from vllm_draft_offload.bench.provenance import provenance
 from vllm_draft_offload.bench.speed.copy import pinned_memcpy_gbps
 from vllm_draft_offload.bench.speed.disk_baseline import cache, evict, measure
 from vllm_draft_offload.bench.speed.l3_dir import calibration_samples, unit_files
@@ -208,14 +209,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--shape: give distinct names of {', '.join(sorted(SHAPES))}")
 
     import torch
-    import vllm
 
     work = Path(tempfile.mkdtemp(prefix="restore-speed-"))
     cuda = torch.cuda.is_available()
     # The limits, once per run: every shape's ratios use the same figures.
     common: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        **provenance(),
         "pinned_h2d_GBps": pinned_h2d_gbps(1.0) if cuda else None,
         "pinned_d2h_GBps": pinned_d2h_gbps(1.0) if cuda else None,
     }
