@@ -499,20 +499,12 @@ def test_requests_opt_out_of_stores_and_loads(
     eng.add_request("public", tokens, max_tokens=3)
     eng.run_until_done()
     assert len(index_of(eng)) == 2
-    eng.evict_gpu_kv()
-    eng.add_request(
-        "no-load", tokens, max_tokens=3, kv_transfer_params={"draft_offload": {"load": False}}
-    )
-    eng.run_prefill("no-load")
-    assert eng.external_hits["no-load"] == 0
-    eng.run_until_done()
-    eng.evict_gpu_kv()
-    eng.add_request(
-        "typo-load", tokens, max_tokens=3, kv_transfer_params={"draft_offload": {"lod": False}}
-    )
-    eng.run_prefill("typo-load")
-    assert eng.external_hits["typo-load"] == 0
-    eng.run_until_done()
+    for req_id, options in (("no-load", {"load": False}), ("typo-load", {"lod": False})):
+        eng.evict_gpu_kv()
+        eng.add_request(req_id, tokens, max_tokens=3, kv_transfer_params={"draft_offload": options})
+        eng.run_prefill(req_id)
+        assert eng.external_hits[req_id] == 0, req_id
+        eng.run_until_done()
     eng.evict_gpu_kv()
     eng.add_request("restored", tokens, max_tokens=3)
     eng.run_prefill("restored")
