@@ -171,8 +171,16 @@ def parse_config(extra_config: dict[str, Any] | None) -> DraftOffloadConfig:
     try:
         return DraftOffloadConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            field = ".".join(str(part) for part in err["loc"]) or "<root>"
-            problems.append(f"kv_connector_extra_config.{field}: {err['msg']}")
+        problems = field_problems(exc, "kv_connector_extra_config", root="<root>")
         raise ConfigError("invalid DraftOffloadConnector config: " + "; ".join(problems)) from None
+
+
+def field_problems(exc: ValidationError, prefix: str, root: str = "") -> list[str]:
+    """One ``prefix.field.path: message`` per error of ``exc``, so a message names the
+    field as the user wrote it; ``root`` stands for the path of an error about the
+    whole input (empty: ``prefix: message``)."""
+    problems = []
+    for err in exc.errors():
+        path = ".".join(str(part) for part in err["loc"]) or root
+        problems.append(f"{prefix}.{path}: {err['msg']}" if path else f"{prefix}: {err['msg']}")
+    return problems

@@ -22,6 +22,8 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from vllm_draft_offload.config import field_problems
+
 logger = logging.getLogger(__name__)
 
 KEY: Final = "draft_offload"
@@ -49,12 +51,7 @@ def request_options(kv_transfer_params: dict[str, Any] | None, req_id: str = "")
     try:
         return RequestOptions.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"kv_transfer_params.{KEY}"
-            + "".join(f".{part}" for part in error["loc"])
-            + f": {error['msg']}"
-            for error in exc.errors()
-        )
+        problems = "; ".join(field_problems(exc, f"kv_transfer_params.{KEY}"))
         logger.warning(
             "DraftOffloadConnector: request %s: %s (got %r). The request is neither "
             "stored nor restored.",

@@ -43,13 +43,13 @@ what the stores cost, with the engine's own speed (which differed by up to 1.3 x
 between engines of one config on an H100, session 16) divided out. In every other
 engine both batches are plain, and their ratios are the method's noise floor.
 ``--no-paired``: ``on`` batches only. Decode throughput is the batch's output tokens
-after the first, over
-the time from the last request's first token to the last request's last token (the
-engine's own timestamps); ``store_vs_none`` is the median of ``store``'s ``on``
-batches over the median of ``none``'s (the goal: >= 0.97), ``idle_vs_none`` the same
-for ``idle``; ``paired`` gives per config the median on/off ratio of its pairs and
-their range, and ``store_off_vs_none`` the storing engines' ``off`` batches over
-``none`` (what the connector costs apart from its stores, across engines).
+after the first, over the time from the last request's first token to the last
+request's last token (the engine's own timestamps); ``store_vs_none`` is the median of
+``store``'s ``on`` batches over the median of ``none``'s (the goal: >= 0.97),
+``idle_vs_none`` the same for ``idle``; ``paired`` gives per config the median on/off
+ratio of its pairs and their range, and ``store_off_vs_none`` the storing engines'
+``off`` batches over ``none`` (what the connector costs apart from its stores, across
+engines).
 ``stored_fraction``: chunks the connector stored over the batch's whole chunks (the
 last token of an answer has no KV, so a request has ``(prompt + decode - 1) // chunk``
 of them).

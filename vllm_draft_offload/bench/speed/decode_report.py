@@ -36,19 +36,19 @@ def acceptance_length(counters: dict[str, float]) -> float | None:
     return 1.0 + counters.get(ACCEPTED, 0.0) / drafts if drafts > 0 else None
 
 
-# Engines whose paired off batches opt out of stores (decode_overhead.STORING).
+# Engines whose paired off batches opt out of stores (decode_overhead.arm_params).
 STORING = ("store", "store_dma", "store_kernel")
 
 
+def arm_reps(runs: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
+    """Every batch of ``arm`` in a config's engines (a rep without an arm, from a run
+    before pairs, is an ``on`` batch)."""
+    return [rep for run in runs for rep in run.get("reps", []) if rep.get("arm", "on") == arm]
+
+
 def arm_rates(runs: list[dict[str, Any]], arm: str) -> list[float]:
-    """Decode tokens/s of every batch of ``arm`` in a config's engines (a rep without an
-    arm, from a run before pairs, is an ``on`` batch)."""
-    return [
-        rep["decode_tok_s"]
-        for run in runs
-        for rep in run.get("reps", [])
-        if rep.get("decode_tok_s") and rep.get("arm", "on") == arm
-    ]
+    """Decode tokens/s of every batch of ``arm`` that has a rate."""
+    return [rep["decode_tok_s"] for rep in arm_reps(runs, arm) if rep.get("decode_tok_s")]
 
 
 def paired(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -113,12 +113,7 @@ def summarize(report: dict[str, Any]) -> None:
     ]
     if off and rates.get("none"):
         summary["store_off_vs_none"] = statistics.median(off) / rates["none"]
-    store_reps = [
-        rep
-        for run in report["configs"].get("store", [])
-        for rep in run.get("reps", [])
-        if rep.get("arm", "on") == "on"
-    ]
+    store_reps = arm_reps(report["configs"].get("store", []), "on")
     if store_reps:
         expected = report["batch"] * whole_chunks(
             report["prompt_tokens"], report["decode_tokens"], report["chunk_size"]
