@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
 
 from vllm_draft_offload.bench import cli
+from vllm_draft_offload.bench import machine_state as ms
 from vllm_draft_offload.bench.speed import decode_overhead as dec
 from vllm_draft_offload.bench.speed import decode_report as rep
 
@@ -81,10 +85,10 @@ def test_prompts_are_new_to_every_batch_and_the_same_in_every_engine() -> None:
     assert all(len(p) == 300 and min(p) >= dec.FIRST_TOKEN for b in batches for p in b)
 
 
-def test_whole_chunks_leave_out_the_last_sampled_token() -> None:
-    assert rep.whole_chunks(1024, 512, 256) == 5  # 1535 tokens have KV
+def test_whole_chunks_count_every_token_a_verified_draft_may_end_with() -> None:
+    assert rep.whole_chunks(1024, 512, 256) == 6  # the last token may be a verified draft
     assert rep.whole_chunks(1024, 257, 256) == 5
-    assert rep.whole_chunks(1024, 256, 256) == 4  # the answer's chunk lacks one token
+    assert rep.whole_chunks(1024, 255, 256) == 4
     # The default turn 1 answer is long enough for decode KV to be stored and reused.
     args = dec.build_parser().parse_args(["--out", "x"])
     reused = rep.whole_chunks(args.prompt_tokens, args.turn_decode_tokens, args.chunk_size)
@@ -105,7 +109,7 @@ def test_decode_rate_spans_last_first_token_to_last_token() -> None:
     assert rep.decode_rate([{"out_len": 5}])["decode_tok_s"] is None
 
 
-def _rep(rate: float, stored: float = 80.0) -> dict:
+def _rep(rate: float, stored: float = 96.0) -> dict:
     return {"decode_tok_s": rate, "stored_chunks": stored, "hit_tokens": 0}
 
 
@@ -135,7 +139,7 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
         none=[{"reps": [_rep(1000.0), _rep(1010.0)]}, {"reps": [_rep(990.0)]}],
         idle=[{"reps": [_rep(995.0, stored=0.0)]}],
         store=[
-            {"reps": [_rep(980.0), _rep(985.0, stored=79.0)], "turns": _turns([1280, 1280])},
+            {"reps": [_rep(980.0), _rep(985.0, stored=95.0)], "turns": _turns([1280, 1280])},
             {"reps": [_rep(975.0)]},
         ],
     )
@@ -150,8 +154,8 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     assert summary["store_vs_none_best"] == 985.0 / 1010.0
     assert summary["idle_vs_none_best"] == 995.0 / 1010.0
     assert summary["null_vs_none"] is None and summary["idle_vs_null"] is None  # not run
-    assert summary["expected_chunks_per_batch"] == 16 * 5
-    assert summary["stored_fraction"] == 79.0 / 80.0  # the worst batch
+    assert summary["expected_chunks_per_batch"] == 16 * 6
+    assert summary["stored_fraction"] == 95.0 / 96.0  # the worst batch
     turns = summary["turns"]
     assert turns["expected_hit_tokens"] == 1280 and turns["decode_kv_reused"] is True
     assert turns["outputs_match"] is True and turns["acceptance_ratio"] == 1.9 / 2.0
@@ -159,7 +163,7 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     assert row == {
         "shape": "small", "decode_tok_s_none": 1000.0, "decode_tok_s_store": 980.0,
         "store_vs_none": 0.98, "idle_vs_none": 0.995, "store_on_vs_off_paired": None,
-        "none_on_vs_off_paired": None, "store_off_vs_none": None, "stored_fraction": 79.0 / 80.0,
+        "none_on_vs_off_paired": None, "store_off_vs_none": None, "stored_fraction": 95.0 / 96.0,
         "turn2_decode_kv_reused": True, "turn2_outputs_match": True,
         "turn2_acceptance_ratio": 0.95,
     }  # fmt: skip
@@ -367,7 +371,7 @@ def test_paired_ratios_divide_out_each_engines_speed() -> None:
     assert none["pairs"] == 2 and none["range"] == [1000.0 / 1010.0, 990.0 / 980.0]
     # Unpaired figures use on batches only; off batches of storing engines vs none.
     assert summary["decode_tok_s"]["store"] == 1078.0
-    assert summary["stored_chunks_per_batch"] == [80.0, 80.0, 80.0]
+    assert summary["stored_chunks_per_batch"] == [96.0, 96.0, 96.0]
     assert summary["store_off_vs_none"] == pytest.approx(1100.0 / 995.0)
     row = rep.table_row("llama8b", report)
     assert row["store_on_vs_off_paired"] == pytest.approx(0.98)
@@ -377,3 +381,109 @@ def test_paired_ratios_divide_out_each_engines_speed() -> None:
     rep.summarize(old)
     assert old["summary"]["paired"] == {"none": None, "store": None}
     assert old["summary"]["store_vs_none"] == 0.99
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_more_pairs() -> None:
+    rng = np.random.default_rng(1)
+    few = list(rng.normal(1.0, 0.1, 10))
+    many = list(rng.normal(1.0, 0.1, 160))
+    for values in (few, many):
+        low, high = rep.median_ci(values)
+        assert low <= float(np.median(values)) <= high
+    assert rep.median_ci(few) == rep.median_ci(few)  # seeded: a report reads the same
+    width = [high - low for low, high in (rep.median_ci(few), rep.median_ci(many))]
+    assert width[1] < width[0] / 2
+
+
+def test_rank_correlation() -> None:
+    assert rep.rank_correlation([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+    assert rep.rank_correlation([1, 2, 3, 4], [9, 7, 3, 1]) == pytest.approx(-1.0)
+    assert rep.rank_correlation([1, 2, 3], [5, 5, 5]) is None  # a constant series
+    assert rep.rank_correlation([1, 2], [1, 2]) is None  # too few points
+
+
+def _machine(steal: float, clock: int, reasons: list[str] | None = None) -> dict:
+    return {
+        "steal_share": steal,
+        "busy_share": 0.2,
+        "sm_clock_mhz": {"min": clock, "median": clock, "max": clock},
+        "clock_reasons": reasons or [],
+    }
+
+
+def test_machine_link_tells_whether_slow_batches_had_stolen_cpu_or_a_low_clock() -> None:
+    reps = [
+        {**_rep(5000.0), "machine": _machine(0.00, 1980)},
+        {**_rep(4000.0), "machine": _machine(0.02, 1980)},
+        {**_rep(3000.0), "machine": _machine(0.05, 1980, ["sw_power_cap"])},
+        {**_rep(4500.0), "machine": _machine(0.01, 1980)},
+    ]
+    link = rep.machine_link([{"reps": reps}])
+    assert link["batches"] == 4
+    assert link["steal_share"]["range"] == [0.0, 0.05]
+    assert link["steal_share"]["rank_corr_with_tok_s"] == pytest.approx(-1.0)
+    assert link["sm_clock_mhz"]["rank_corr_with_tok_s"] is None  # the clock never moved
+    assert link["clock_reasons"] == ["sw_power_cap"]
+    # Batches recorded before the sampler existed: nothing to say.
+    assert rep.machine_link([{"reps": [_rep(1000.0)]}]) is None
+    report = _report(store=[{"reps": reps}])
+    rep.summarize(report)
+    assert report["summary"]["machine"]["store"] == link
+
+
+def test_cpu_shares_leave_guest_time_out_of_the_total() -> None:
+    times = type(psutil.cpu_times())
+    fields = times._fields
+    before = times(*[0.0] * len(fields))
+    after = dict.fromkeys(fields, 0.0)
+    after.update(user=6.0, system=2.0, idle=10.0, steal=2.0)
+    if "guest" in fields:
+        after["guest"] = 5.0  # already inside user on Linux
+    shares = ms.cpu_shares(before, times(**after))
+    assert shares["steal_share"] == pytest.approx(2.0 / 20.0)
+    assert shares["busy_share"] == pytest.approx(8.0 / 20.0)
+    assert ms.cpu_shares(before, before)["steal_share"] is None
+    assert ms.reason_names(0x2 | 0x40 | 0x1) == ["sw_power_cap", "hw_thermal_slowdown"]
+
+
+def test_machine_sampler_sees_this_process_keep_a_core_busy() -> None:
+    with ms.MachineSampler(period_s=0.02) as sampler:
+        end = time.perf_counter() + 0.4
+        while time.perf_counter() < end:
+            pass
+    summary = sampler.summary
+    assert summary["seconds"] >= 0.4 and summary["cpus"] >= 1
+    assert summary["busy_share"] * summary["cpus"] >= 0.5  # at least half a core busy
+    assert 0.0 <= summary["steal_share"] <= 1.0
+    if summary["sm_clock_mhz"] is None:  # no GPU here: its fields say so
+        assert summary["power_w"] is None and summary["gpu_util_pct"] is None
+
+
+def test_pool_reports_joins_every_files_pairs_per_shape_and_config(tmp_path: Path) -> None:
+    first = {
+        "gpu": "H100",
+        "versions": {"vllm": "0.33.0"},
+        "shapes": {"llama8b": _report(store=[{"reps": _pair(0, 980.0, 1000.0)}])},
+    }
+    second = {
+        "gpu": "H100",
+        "versions": {"vllm": "0.33.0"},
+        "shapes": {
+            "llama8b": _report(
+                store=[{"reps": _pair(0, 1290.0, 1300.0) + _pair(1, 1000.0, 1000.0)}],
+                none=[{"reps": _pair(0, 1000.0, 990.0)}],
+            )
+        },
+    }
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, contents in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(contents))
+    out = tmp_path / "pooled.json"
+    dec.main(["--pool", *map(str, paths), "--out", str(out)])
+    pooled = json.loads(out.read_text())
+    assert [source["file"] for source in pooled["pooled_from"]] == list(map(str, paths))
+    store = pooled["shapes"]["llama8b"]["summary"]["paired"]["store"]
+    assert store["pairs"] == 3
+    assert sorted(store["ratios"]) == pytest.approx(sorted([0.98, 1290.0 / 1300.0, 1.0]))
+    assert pooled["table"][0]["store_on_vs_off_paired"] == pytest.approx(1290.0 / 1300.0)
+    assert pooled["shapes"]["llama8b"]["summary"]["paired"]["none"]["pairs"] == 1

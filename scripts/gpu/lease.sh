@@ -65,6 +65,17 @@
 #   l3-pieces  l3-stages with 256 KiB, 1 MiB and 4 MiB fetch pieces, 8 threads, quiet and
 #             beside a 0.5 ms engine loop: whether a smaller piece keeps the checksum in
 #             the CPU cache (about 2 min, estimated): /root/l3_stages_pieces.json
+#   decode-8b-machine  decode-overhead at the 8B shape, store and none, one compiled
+#             engine each, 10 pairs, every batch with what the machine did meanwhile
+#             (stolen CPU, SM clock): whether the batches' spread is the machine's
+#             (about 7 min, estimated): /root/decode_8b_machine.json
+#   decode-8b-machine2  the store engine alone, 16 more pairs: /root/decode_8b_machine2.json
+#   decode-8b-dma  store_dma, 8 pairs, the hooks timed, with the machine's state: what
+#             the batches that block 365-370 ms in wait_for_save share (about 4 min,
+#             estimated): /root/decode_8b_dma.json
+#   l3-threads  l3-stages with 8, 12 and 16 read threads, quiet and beside a 0.5 ms
+#             engine loop: whether threads beyond the raw read's close the checksum's
+#             gap (about 3 min, estimated): /root/l3_stages_t{8,12,16}.json
 #   decode-paths  the 8B shape's stores on each copy path: none, store_dma, store_kernel
 #             and store (auto), compiled, 4 batches each, the hooks timed, then one
 #             profiled batch each: /root/decode_paths_8b.json
@@ -217,6 +228,17 @@ declare -A CMD=(
   [l3-pieces]="vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \
       --engine-loop-ms 0,0.5 --writes 0 --piece-kib 256,1024,4096 --switch-interval-ms 0.5 \
       --out /root/l3_stages_pieces.json; rm -rf /root/l3-stages"
+  [decode-8b-machine]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store,none --reps 10 --turn-prompts 0 --engine-timeout 500 \
+      --out /root/decode_8b_machine.json"
+  [decode-8b-machine2]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store --reps 16 --turn-prompts 0 --engine-timeout 500 \
+      --out /root/decode_8b_machine2.json"
+  [decode-8b-dma]="vllm-draft-offload decode-overhead --shape llama8b --configs store_dma \
+      --reps 8 --turn-prompts 0 --time-hooks --engine-timeout 500 --out /root/decode_8b_dma.json"
+  [l3-threads]="for t in 8 12 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
+      --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \
+      --out /root/l3_stages_t\$t.json; rm -rf /root/l3-stages; done"
   [decode-prof]="vllm-draft-offload decode-overhead --shape small --configs none,null,idle --reps 1 \
       --turn-prompts 0 --profile --out /root/decode_prof_small.json"
   [soak]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak --seconds 600 \
@@ -262,7 +284,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-dma|l3-threads|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)

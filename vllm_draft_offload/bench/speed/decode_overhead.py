@@ -47,12 +47,20 @@ after the first, over the time from the last request's first token to the last
 request's last token (the engine's own timestamps); ``store_vs_none`` is the median of
 ``store``'s ``on`` batches over the median of ``none``'s (the goal: >= 0.97),
 ``idle_vs_none`` the same for ``idle``; ``paired`` gives per config the median on/off
-ratio of its pairs and their range, and ``store_off_vs_none`` the storing engines'
-``off`` batches over ``none`` (what the connector costs apart from its stores, across
-engines).
-``stored_fraction``: chunks the connector stored over the batch's whole chunks (the
-last token of an answer has no KV, so a request has ``(prompt + decode - 1) // chunk``
-of them).
+ratio of its pairs, a bootstrap 95 % interval of that median, and their range, and
+``store_off_vs_none`` the storing engines' ``off`` batches over ``none`` (what the
+connector costs apart from its stores, across engines).
+``stored_fraction``: chunks the connector stored over the most a batch can have
+(``decode_report.whole_chunks``: every token of prompt and answer, which the 8B runs'
+batches reached).
+
+Every batch records what the machine did meanwhile (``reps[].machine``,
+``bench/machine_state.py``): CPU time stolen by the hypervisor, the host's busy share,
+the GPU's SM clock and NVML's reasons for holding it down; ``summary.machine`` gives per
+config each field's range and its rank correlation with the batches' decode tokens/s,
+so a spread between batches can be told to come from the machine or not.
+``--pool A.json B.json ...`` runs nothing: it pools the engines of earlier output files
+per shape and config, and writes one summary over all their pairs.
 
 The ``store`` engine then runs the multi-turn check: turn 1 answers ``--turn-prompts``
 prompts; turn 2 sends each prompt + its answer + new user tokens twice, once salted
@@ -80,6 +88,7 @@ from typing import Any
 import numpy as np
 
 from vllm_draft_offload.bench.kv_configs import native_offloading_config
+from vllm_draft_offload.bench.machine_state import MachineSampler
 from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
@@ -88,6 +97,7 @@ from vllm_draft_offload.bench.speed.decode_report import (
     STORING,
     acceptance_length,
     decode_rate,
+    pool_reports,
     summarize,
     table_row,
 )
@@ -285,11 +295,12 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         if clock is not None:
             clock.on = True
         start = time.perf_counter()
-        outs = generate(
-            arm_prompts(rep, arm, args.batch, args.prompt_tokens),
-            args.decode_tokens,
-            params=arm_params(args.config, arm),
-        )
+        with MachineSampler() as machine:
+            outs = generate(
+                arm_prompts(rep, arm, args.batch, args.prompt_tokens),
+                args.decode_tokens,
+                params=arm_params(args.config, arm),
+            )
         wall = time.perf_counter() - start
         hooks = None
         if clock is not None:
@@ -310,6 +321,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
                 "hit_tokens": sum(r["cached"] for r in records),
                 "acceptance_length": acceptance_length(counters),
                 "settled": settled,
+                "machine": machine.summary,
                 **({"hooks": hooks} if hooks is not None else {}),
             }
         )
@@ -537,6 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = command_parser("decode-overhead", __doc__, EXAMPLES)
     parser.add_argument("--out", required=True)
     parser.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="FILE",
+        help="run nothing: pool these output files' engines per shape and config, and "
+        "write one summary over all their pairs to --out",
+    )
+    parser.add_argument(
         "--shape", default="small,llama8b", help="of llama8b, small (comma-separated)"
     )
     parser.add_argument("--configs", default="none,idle,store", help=f"of {', '.join(CONFIGS)}")
@@ -598,6 +617,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.child:
         Path(args.child).write_text(json.dumps(run_config(args)))
+        return
+    if args.pool:
+        pooled = pool_reports({path: json.loads(Path(path).read_text()) for path in args.pool})
+        Path(args.out).write_text(json.dumps(pooled, indent=1))
+        print(json.dumps(pooled["table"], indent=1), flush=True)
         return
     shapes = args.shape.split(",")
     if any(s not in SHAPES for s in shapes) or len(set(shapes)) != len(shapes):

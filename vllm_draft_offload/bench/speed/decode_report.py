@@ -6,14 +6,21 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+import numpy as np
+
 GOAL = 0.97
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
 def whole_chunks(prompt_tokens: int, decode_tokens: int, chunk: int) -> int:
-    """Chunks of one request whose KV all exists: every token's but the last sampled."""
-    return (prompt_tokens + decode_tokens - 1) // chunk
+    """Chunks of one request whose KV can all exist: with speculative decoding the last
+    step is cut short at ``max_tokens``, and a request's last token is then a verified
+    draft token whose KV was computed (every batch of the 8B runs stored 6 chunks of
+    1,024 + 512 tokens). Without it, or when the last token is a bonus token, the last
+    token has no KV, and a request whose length is a multiple of ``chunk`` has one whole
+    chunk fewer: so this is the most, and ``stored_fraction`` is at most 1."""
+    return (prompt_tokens + decode_tokens) // chunk
 
 
 def decode_rate(requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -64,10 +71,69 @@ def paired(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     return {
         "on_vs_off": statistics.median(ratios),
+        "ci95": median_ci(ratios),
         "range": [min(ratios), max(ratios)],
         "pairs": len(ratios),
         "ratios": ratios,
     }
+
+
+def median_ci(values: list[float], resamples: int = 4000, seed: int = 0) -> list[float]:
+    """A bootstrap 95 % interval of the median (percentile method, a fixed seed so a
+    report reads the same every time it is made)."""
+    rng = np.random.default_rng(seed)
+    draws = rng.choice(np.asarray(values), size=(resamples, len(values)), replace=True)
+    low, high = np.percentile(np.median(draws, axis=1), [2.5, 97.5])
+    return [float(low), float(high)]
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties ranked by order), None below 3 points or for
+    a constant series."""
+    if len(xs) < 3 or len(xs) != len(ys):
+        return None
+    if len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None
+    ranks_x = np.argsort(np.argsort(xs)).astype(float)
+    ranks_y = np.argsort(np.argsort(ys)).astype(float)
+    return float(np.corrcoef(ranks_x, ranks_y)[0, 1])
+
+
+# What the machine did during a batch (machine_state.MachineSampler), as the report
+# reads it: a field's name, and how to take it out of a batch's ``machine`` record.
+MACHINE_FIELDS = {
+    "steal_share": lambda machine: machine.get("steal_share"),
+    "busy_share": lambda machine: machine.get("busy_share"),
+    "sm_clock_mhz": lambda machine: (machine.get("sm_clock_mhz") or {}).get("median"),
+}
+
+
+def machine_link(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How a config's batch speeds went with what the machine did (every arm): per
+    field, its range over the batches and its rank correlation with decode tokens/s,
+    and every clock-limiting reason NVML gave. None for batches recorded without it."""
+    reps = [
+        rep
+        for run in runs
+        for rep in run.get("reps", [])
+        if rep.get("decode_tok_s") and rep.get("machine")
+    ]
+    if not reps:
+        return None
+    rates = [rep["decode_tok_s"] for rep in reps]
+    link: dict[str, Any] = {"batches": len(reps)}
+    for field, read in MACHINE_FIELDS.items():
+        pairs = [(rate, read(rep["machine"])) for rate, rep in zip(rates, reps, strict=True)]
+        pairs = [(rate, value) for rate, value in pairs if value is not None]
+        values = [value for _, value in pairs]
+        link[field] = {
+            "range": [min(values), max(values)] if values else None,
+            "rank_corr_with_tok_s": rank_correlation([r for r, _ in pairs], values),
+        }
+    link["clock_reasons"] = sorted(
+        {reason for rep in reps for reason in rep["machine"].get("clock_reasons") or []}
+    )
+    return link
 
 
 def _ratio(rates: dict[str, float | None], config: str, base: str) -> float | None:
@@ -107,6 +173,7 @@ def summarize(report: dict[str, Any]) -> None:
         "store_kernel_vs_none": _ratio(rates, "store_kernel", "none"),
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
         "paired": {config: paired(runs) for config, runs in report["configs"].items()},
+        "machine": {config: machine_link(runs) for config, runs in report["configs"].items()},
     }
     off = [
         rate for config in STORING for rate in arm_rates(report["configs"].get(config, []), "off")
@@ -165,4 +232,35 @@ def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "turn2_decode_kv_reused": turns.get("decode_kv_reused"),
         "turn2_outputs_match": turns.get("outputs_match"),
         "turn2_acceptance_ratio": turns.get("acceptance_ratio"),
+    }
+
+
+def pool_reports(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Several decode-overhead output files (``{path: contents}``) as one: per shape,
+    every file's engines under their config, then the shape's summary and table row
+    over all of them. Pairs divide each engine's own speed out, so engines of runs made
+    apart pool into one median and interval; ``sources`` names each file's GPU,
+    versions and batch settings, so a reader sees what was pooled."""
+    shapes: dict[str, dict[str, Any]] = {}
+    sources = []
+    for path, contents in reports.items():
+        sources.append(
+            {"file": path, "gpu": contents.get("gpu"), "versions": contents.get("versions")}
+        )
+        for name, report in contents.get("shapes", {}).items():
+            sources[-1].setdefault("shapes", {})[name] = {
+                key: report.get(key)
+                for key in ("batch", "prompt_tokens", "decode_tokens", "enforce_eager")
+            }
+            pooled = shapes.setdefault(
+                name, {**{k: v for k, v in report.items() if k != "summary"}, "configs": {}}
+            )
+            for config, runs in report.get("configs", {}).items():
+                pooled["configs"].setdefault(config, []).extend(runs)
+    for report in shapes.values():
+        summarize(report)
+    return {
+        "pooled_from": sources,
+        "shapes": shapes,
+        "table": [table_row(name, report) for name, report in shapes.items()],
     }
