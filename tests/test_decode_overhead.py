@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -404,6 +405,7 @@ def test_rank_correlation() -> None:
 
 def _machine(steal: float, clock: int, reasons: list[str] | None = None) -> dict:
     return {
+        "gpu_util_pct": 100 - 1000 * steal,
         "steal_share": steal,
         "busy_share": 0.2,
         "sm_clock_mhz": {"min": clock, "median": clock, "max": clock},
@@ -423,6 +425,7 @@ def test_machine_link_tells_whether_slow_batches_had_stolen_cpu_or_a_low_clock()
     assert link["steal_share"]["range"] == [0.0, 0.05]
     assert link["steal_share"]["rank_corr_with_tok_s"] == pytest.approx(-1.0)
     assert link["sm_clock_mhz"]["rank_corr_with_tok_s"] is None  # the clock never moved
+    assert link["gpu_util_pct"]["rank_corr_with_tok_s"] == pytest.approx(1.0)
     assert link["clock_reasons"] == ["sw_power_cap"]
     # Batches recorded before the sampler existed: nothing to say.
     assert rep.machine_link([{"reps": [_rep(1000.0)]}]) is None
@@ -443,7 +446,18 @@ def test_cpu_shares_leave_guest_time_out_of_the_total() -> None:
     assert shares["steal_share"] == pytest.approx(2.0 / 20.0)
     assert shares["busy_share"] == pytest.approx(8.0 / 20.0)
     assert ms.cpu_shares(before, before)["steal_share"] is None
-    assert ms.reason_names(0x2 | 0x40 | 0x1) == ["sw_power_cap", "hw_thermal_slowdown"]
+    # nvml.h's bits; idle (0x1) and the application clock setting (0x2) are no limit
+    assert ms.reason_names(0x1 | 0x2 | 0x4 | 0x40) == ["sw_power_cap", "hw_thermal_slowdown"]
+
+
+def test_top_processes_name_where_cpu_time_went() -> None:
+    before = {1: ("engine", 10.0), 2: ("front", 5.0), 3: ("idle", 1.0)}
+    after = {1: ("engine", 12.5), 2: ("front", 5.5), 3: ("idle", 1.0), 4: ("new", 0.25)}
+    assert ms.top_processes(before, after) == [
+        {"pid": 1, "name": "engine", "cpu_s": 2.5},
+        {"pid": 2, "name": "front", "cpu_s": 0.5},
+        {"pid": 4, "name": "new", "cpu_s": 0.25},  # started in the window: from zero
+    ]
 
 
 def test_machine_sampler_sees_this_process_keep_a_core_busy() -> None:
@@ -454,6 +468,8 @@ def test_machine_sampler_sees_this_process_keep_a_core_busy() -> None:
     summary = sampler.summary
     assert summary["seconds"] >= 0.4 and summary["cpus"] >= 1
     assert summary["busy_share"] * summary["cpus"] >= 0.5  # at least half a core busy
+    me = [row for row in summary["top_processes"] if row["pid"] == os.getpid()]
+    assert me and me[0]["cpu_s"] >= 0.2
     assert 0.0 <= summary["steal_share"] <= 1.0
     if summary["sm_clock_mhz"] is None:  # no GPU here: its fields say so
         assert summary["power_w"] is None and summary["gpu_util_pct"] is None

@@ -6,7 +6,9 @@ Batches of one engine a few seconds apart decoded up to 1.6 x apart on an H100 h
 (session 19) with identical work, so a throughput ratio needs to say what the machine
 was doing: a batch slowed by stolen CPU time or a clock held down is noise, not the
 connector. ``MachineSampler`` samples in a thread every ``period_s`` (NVML through
-vLLM's vendored ``pynvml``; ``/proc/stat`` through psutil) and summarizes the window.
+vLLM's vendored ``pynvml``; ``/proc/stat`` through psutil), summarizes the window, and
+names the processes that used the most CPU in it (a slow batch with the host busier:
+whose work was it?).
 Where NVML or a GPU is missing (CPU runs), the GPU fields are None.
 """
 
@@ -22,16 +24,18 @@ from typing import Any
 import psutil
 
 # NVML clock event reasons that mean the clock was held down by something other than
-# the GPU being idle or the application's own clock setting (nvml.h, clocksEventReasons).
+# the GPU being idle or the application's own clock setting (nvml.h's
+# nvmlClocksEventReason* bits; vLLM's pynvml names the same values).
 CLOCK_REASONS = {
-    0x2: "sw_power_cap",
-    0x4: "hw_slowdown",
-    0x8: "sync_boost",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
     0x20: "sw_thermal_slowdown",
     0x40: "hw_thermal_slowdown",
     0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
+TOP_PROCESSES = 5  # the processes that used the most CPU in a window, by name
 
 
 def _nvml_handle() -> Any | None:  # noqa: ANN401 - an NVML device handle
@@ -70,6 +74,29 @@ def cpu_shares(before: Any, after: Any) -> dict[str, float | None]:  # noqa: ANN
     }
 
 
+def process_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's CPU seconds so far (user + system), by pid, with its name."""
+    seconds = {}
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is not None:
+            seconds[proc.pid] = (proc.info["name"] or "?", times.user + times.system)
+    return seconds
+
+
+def top_processes(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> list[dict[str, Any]]:
+    """The ``TOP_PROCESSES`` processes that used the most CPU between two readings (a
+    process started meanwhile counts from zero): where the host's busy time went."""
+    used = [
+        {"pid": pid, "name": name, "cpu_s": total - before.get(pid, (name, 0.0))[1]}
+        for pid, (name, total) in after.items()
+    ]
+    used.sort(key=lambda row: -row["cpu_s"])
+    return [row for row in used[:TOP_PROCESSES] if row["cpu_s"] > 0]
+
+
 class MachineSampler:
     """``with MachineSampler() as sampler: ...`` then ``sampler.summary``: the window's
     CPU shares and the GPU's SM clock (min, median, max MHz), median power and
@@ -106,6 +133,7 @@ class MachineSampler:
     def __enter__(self) -> MachineSampler:
         self._start_s = time.perf_counter()
         self._cpu_before = psutil.cpu_times()
+        self._procs_before = process_cpu_seconds()
         self._thread.start()
         return self
 
@@ -121,6 +149,7 @@ class MachineSampler:
             "seconds": time.perf_counter() - self._start_s,
             "cpus": psutil.cpu_count(),
             **cpu_shares(self._cpu_before, psutil.cpu_times()),
+            "top_processes": top_processes(self._procs_before, process_cpu_seconds()),
             "sm_clock_mhz": _spread(self._clocks),
             "power_w": statistics.median(self._power_w) if self._power_w else None,
             "gpu_util_pct": statistics.median(self._util) if self._util else None,

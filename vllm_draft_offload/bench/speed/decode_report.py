@@ -105,6 +105,9 @@ MACHINE_FIELDS = {
     "steal_share": lambda machine: machine.get("steal_share"),
     "busy_share": lambda machine: machine.get("busy_share"),
     "sm_clock_mhz": lambda machine: (machine.get("sm_clock_mhz") or {}).get("median"),
+    # the GPU's busy share: where decode is GPU-bound it stays near 100 %, and a batch
+    # whose host fell behind shows it idle (H100, session 20: rank correlation 0.9)
+    "gpu_util_pct": lambda machine: machine.get("gpu_util_pct"),
 }
 
 
