@@ -70,6 +70,10 @@
 #             (stolen CPU, SM clock): whether the batches' spread is the machine's
 #             (about 7 min, estimated): /root/decode_8b_machine.json
 #   decode-8b-machine2  the store engine alone, 16 more pairs: /root/decode_8b_machine2.json
+#   decode-8b-procs  decode-overhead at the 8B shape, none and store, 8 pairs each, with
+#             the processes that used the CPU in each batch (machine.top_processes):
+#             whose work a slow batch's host did (about 6 min, estimated):
+#             /root/decode_8b_procs.json
 #   decode-8b-dma  store_dma, 8 pairs, the hooks timed, with the machine's state: what
 #             the batches that block 365-370 ms in wait_for_save share (about 4 min,
 #             estimated): /root/decode_8b_dma.json
@@ -234,6 +238,9 @@ declare -A CMD=(
   [decode-8b-machine2]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs store --reps 16 --turn-prompts 0 --engine-timeout 500 \
       --out /root/decode_8b_machine2.json"
+  [decode-8b-procs]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs none,store --reps 8 --turn-prompts 0 --engine-timeout 500 \
+      --out /root/decode_8b_procs.json"
   [decode-8b-dma]="vllm-draft-offload decode-overhead --shape llama8b --configs store_dma \
       --reps 8 --turn-prompts 0 --time-hooks --engine-timeout 500 --out /root/decode_8b_dma.json"
   [l3-threads]="for t in 8 12 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
@@ -284,7 +291,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-dma|l3-threads|decode-prof|soak|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|l3-threads|decode-prof|soak|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
