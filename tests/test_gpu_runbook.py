@@ -24,7 +24,8 @@ def test_lease_script_parses_and_lists_its_phases() -> None:
     assert subprocess.run([BASH, "-n", str(LEASE)]).returncode == 0
     usage = _run()
     assert usage.returncode == 2
-    for phase in ("fixtures", "fx", "accept", "l3", "hybrid-speed", "soak", "chain", "await"):
+    phases = ("fixtures", "fx", "accept", "l3", "hybrid-speed", "soak", "soak-order", "chain")
+    for phase in (*phases, "await"):
         assert f"#   {phase}" in usage.stdout, phase
     assert "#   reap" in usage.stdout
 

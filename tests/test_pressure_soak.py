@@ -380,6 +380,7 @@ SOAK_SUMMARY_KEYS = {
     "memory",
     "ttft",
     "hit_rate",
+    "phases",
     "failed",
     "verdict",
 }
@@ -460,6 +461,74 @@ def test_soak_cpu_fs(tiny_fixtures: Path, tmp_path: Path) -> None:
     )
     # corrupted objects are refused (checksums), never served
     assert s["causes"]["refusals"] or s["causes"]["fallbacks"]
+    # each engine's steps and preemptions (vLLM's counters) and its scheduling recorded
+    engines = s["phases"]["engines"]
+    assert engines["ours"]["engine_steps"] > 0 and engines["baseline"]["engine_steps"] > 0
+    assert engines["ours"]["preemptions"] >= 0 and engines["ours"]["async_scheduling"] is False
+    assert s["phases"]["engine_order"] == ["ours", "baseline"]
+
+
+@pytest.mark.e2e
+def test_soak_cpu_idle_phase_and_baseline_first(tiny_fixtures: Path, tmp_path: Path) -> None:
+    """`--idle-seconds 4 --baseline-first`: the baseline runs first, ours' first 4 s of
+    requests ask the connector to neither store nor load (nothing is stored or looked up
+    then), the report gives the idle, active and baseline figures side by side, faults
+    come after the switch, and the replay still runs (on an engine of its own)."""
+    from vllm_draft_offload.bench.stress.phases import IDLE_PARAMS
+
+    out = tmp_path / "soak"
+    cmd = [sys.executable, "-m", "vllm_draft_offload.bench", "soak", "--fixtures"]
+    cmd += [str(tiny_fixtures), "--out", str(out), "--dry-run-cpu", "--drafter", "self-draft"]
+    cmd += ["--seconds", "10", "--idle-seconds", "4", "--baseline-first"]
+    cmd += ["--baseline-seconds", "4", "--faults", "outage,corrupt"]
+    env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "soak.json").read_text())
+    s, runs = data["summary"], data["runs"]
+    ours, base = runs["ours"], runs["baseline"]
+    assert s["crashes"] == 0 and ours["status"] == base["status"] == "ok", ours.get("log_tail")
+    # the order: baseline, then ours, then the replay's own engine
+    assert data["engine_order"] == s["phases"]["engine_order"] == ["baseline", "ours", "replay"]
+    assert base["started_at"] + base["wall_s_total"] <= ours["started_at"]
+    assert ours["started_at"] + ours["wall_s_total"] <= runs["replay"]["started_at"]
+    assert "reference" not in base and "--baseline-first" in runs["replay"]["engine"]
+    assert s["replay"]["n"] > 0 and s["replay"]["mismatches"] == 0
+    # requests by submit time: idle params before 4 s, plain after
+    reqs = ours["requests"]
+    assert all((q["submit_t"] < 4) == (q.get("kv_transfer_params") == IDLE_PARAMS) for q in reqs)
+    assert any(q["submit_t"] < 4 for q in reqs) and any(q["submit_t"] >= 4 for q in reqs)
+    # while idle the connector stored, loaded and looked up nothing; afterwards it did
+    moved = ("stored_chunks", "loaded_chunks", "lookup_hit", "lookup_miss")
+    idle_samples = [x for x in ours["samples"] if x["t"] <= 4]
+    assert len(idle_samples) >= 3
+    for x in idle_samples:
+        assert not [k for k in x["counters"] if k.startswith(moved, len("vllm:draft_offload_"))]
+    last = ours["samples"][-1]["counters"]
+    assert last["vllm:draft_offload_stored_chunks_total{tier=cpu}"] > 0
+    # faults only after the switch
+    assert data["faults"] and all(ev["t"] >= 4 for ev in data["faults"])
+    # the three windows' figures, side by side, and the ratios to the baseline
+    p = s["phases"]
+    assert p["idle_seconds"] == 4 and 0 < p["margin_s"] <= 1
+    idle, active, baseline = (p["figures"][k] for k in ("idle", "active", "baseline"))
+    assert idle["window_s"] == [p["margin_s"], 4] and active["window_s"][0] == 4 + p["margin_s"]
+    assert idle["requests"] == idle["idle_requests"] > 0
+    assert active["requests"] > active["idle_requests"] and baseline["requests"] > 0
+    assert idle["counters"]["stored_chunks"] == {"cpu": 0, "l3": 0}
+    assert active["counters"]["stored_chunks"]["cpu"] > 0
+    for f in (idle, active, baseline):
+        assert f["output_tokens_per_s"] > 0 and f["ms_per_spec_step_mean"] > 0
+        assert f["ms_per_output_token_mean"] > 0 and f["counters"]["engine_steps"] > 0
+        assert f["ms_per_engine_step"] > 0 and f["preemptions"] >= 0
+    for phase in ("idle", "active"):
+        assert set(p["vs_baseline"][phase]) >= {"output_tokens_per_s", "ms_per_spec_step_mean"}
+        assert p["vs_baseline"][phase]["ms_per_engine_step"] > 0
+    assert p["engines"]["baseline"]["order"] == 0 and p["engines"]["ours"]["order"] == 1
+    assert all(isinstance(e["async_scheduling"], bool) for e in p["engines"].values())
+    md = (out / "soak.md").read_text()
+    assert "Engine order: baseline → ours → replay" in md
+    assert all(f"| {k} |" in md for k in ("idle", "active", "baseline"))
 
 
 @pytest.mark.e2e

@@ -5,6 +5,8 @@
   submits its next request as soon as its previous one finished, so the engine
   always holds N requests (closed-loop load) without AsyncLLM. Bounded by a
   deadline and a request count; an exception of the engine is recorded as a crash.
+  ``params_for(t)`` gives a request submitted at ``t`` its ``kv_transfer_params``
+  (the connector's per-request options, request_options.py), or None for plain.
 * `connector_memory`: runs on every worker through ``collective_rpc`` and reads the
   connector's host pool and storage-tier buffers.
 * `process_tree_rss`: resident memory of this process and of its children (EngineCore).
@@ -35,6 +37,7 @@ class Finished:
     record: dict[str, Any]  # workloads.worker.request_record(...)
     submit_t: float  # seconds since the driver started
     end_t: float
+    kv_params: dict[str, Any] | None = None  # the kv_transfer_params it was sent with
 
 
 @dataclass
@@ -67,6 +70,7 @@ class StreamDriver:
         logprobs: int | None = None,
         keep_prompt: Callable[[int], bool] = lambda _seq: True,
         keep_output: Callable[[int], bool] = lambda _seq: True,
+        params_for: Callable[[float], dict[str, Any] | None] | None = None,
     ) -> None:
         # streams[i](last_output) -> next (kind, prompt, max_tokens), or None when done
         # keep_prompt / keep_output(seq): whether Finished keeps that request's tokens. A
@@ -82,6 +86,7 @@ class StreamDriver:
         # top-k logprobs per output token (greedy picks stay the same): the records
         # then carry each pick's margin over the next-best token (near-tie analysis)
         self.logprobs = logprobs
+        self.params_for = params_for
 
     def run(self) -> DriverResult:
         from vllm import SamplingParams
@@ -93,7 +98,7 @@ class StreamDriver:
         engine = self.llm.llm_engine
         res = DriverResult()
         t0 = time.perf_counter()
-        inflight: dict[str, tuple[int, int, str, list[int], float]] = {}
+        inflight: dict[str, tuple[int, int, str, list[int], float, dict[str, Any] | None]] = {}
         seq = 0
         last_tick = -1e9
         stopping = False
@@ -106,16 +111,19 @@ class StreamDriver:
             if nxt is None:
                 return
             kind, prompt, max_tokens = nxt
+            sub_t = time.perf_counter() - t0
+            kv = self.params_for(sub_t) if self.params_for is not None else None
             params = SamplingParams(
                 temperature=0.0,
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 output_kind=RequestOutputKind.FINAL_ONLY,
                 logprobs=self.logprobs,
+                extra_args={"kv_transfer_params": kv} if kv else None,
             )
             rid = f"s{stream}-{seq}"
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
-            inflight[rid] = (stream, seq, kind, prompt, time.perf_counter() - t0)
+            inflight[rid] = (stream, seq, kind, prompt, sub_t, kv)
             seq += 1
             if self.max_requests is not None and seq >= self.max_requests:
                 stopping, res.stopped_by = True, "max_requests"
@@ -137,7 +145,7 @@ class StreamDriver:
                 for out in engine.step():
                     if not out.finished or out.request_id not in inflight:
                         continue
-                    stream, s, kind, prompt, sub_t = inflight.pop(out.request_id)
+                    stream, s, kind, prompt, sub_t, kv = inflight.pop(out.request_id)
                     tokens = list(out.outputs[0].token_ids)
                     res.finished.append(
                         Finished(
@@ -149,6 +157,7 @@ class StreamDriver:
                             request_record(out, None),
                             sub_t,
                             time.perf_counter() - t0,
+                            kv,
                         )
                     )
                     submit(stream, tokens)

@@ -123,6 +123,7 @@ def run_job(
     path.write_text(json.dumps(job))
     log = out / "logs" / f"{name}.log"
     print(f"[stress] {name}: starting", flush=True)
+    started = time.time()
     rc, wall = run_subprocess([sys.executable, *WORKER, str(path)], env, log, timeout)
     res_path = Path(job["out"])
     rec: dict[str, Any] = (
@@ -132,7 +133,7 @@ def run_job(
         rec["status"] = "timeout" if rc == -9 else "crashed"
         rec["error"] = f"subprocess exit code {rc}"
         rec["crashes"] = rec.get("crashes", 0) + (rec["status"] == "crashed")
-    rec.update(rc=rc, wall_s_total=wall, log=str(log.relative_to(out)))
+    rec.update(rc=rc, started_at=started, wall_s_total=wall, log=str(log.relative_to(out)))
     rec["log_errors"] = error_lines(log)
     if rec.get("status") != "ok":
         rec["log_tail"] = tail(log)

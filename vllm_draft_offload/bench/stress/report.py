@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from vllm_draft_offload.bench.stress.phases import phase_markdown, phase_summary
+
 LOADED = "vllm:draft_offload_loaded_chunks_total{{tier={}}}"
 HIT = "vllm:draft_offload_lookup_hit_chunks_total{{tier={}}}"
 MISS = "vllm:draft_offload_lookup_miss_chunks_total{{tier={}}}"
@@ -545,6 +547,8 @@ def soak_summary(data: dict[str, Any]) -> dict[str, Any]:
         "memory": memory,
         "ttft": ttft,
         "hit_rate": hit_rate_series(samples),
+        # idle / active / baseline windows side by side, and each engine's steps
+        "phases": phase_summary(data),
         "failed": failed,
         "verdict": "fail" if failed else "pass",
     }
@@ -692,6 +696,7 @@ def soak_markdown(data: dict[str, Any]) -> str:
     flipped = [("soak", "ours", f) for f in rep.get("flips") or []]
     flipped += [("soak", "control", f) for f in rep.get("control_flips") or []]
     tail = _flip_lines(flipped, float(rep.get("near_tie_nats", NEAR_TIE_NATS)))
+    tail += phase_markdown(s["phases"])
     return "\n".join(head + [f"| {k} | {v} |" for k, v in rows] + tail) + "\n"
 
 
@@ -739,7 +744,11 @@ def soak_plot(data: dict[str, Any], path: Path) -> None:
     for ev in data.get("faults") or []:
         for a in ax:
             a.axvline(ev["t"], color="red", alpha=0.3, lw=0.8)
-    ax[0].set_title(f"soak ({data['backend']}): red lines = injected faults")
+    idle = float(data.get("idle_seconds") or 0.0)
+    for a in ax if idle else ():
+        a.axvspan(0, idle, color="grey", alpha=0.15)
+    shaded = ", grey = connector idle" if idle else ""
+    ax[0].set_title(f"soak ({data['backend']}): red lines = injected faults{shaded}")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -5,9 +5,21 @@ serves ``--streams`` closed-loop streams of a load mix (shared system prompts,
 multi-turn chat, document QA larger than the GPU cache, divergent successors) for
 ``--minutes``, while a thread of this process injects storage faults (outage, disk
 full, corrupted objects). Then a no-connector engine runs the same load for
-``--baseline-seconds`` (TTFT baseline) and then replays a sample of ours' finished
-requests twice (reference, and in reverse order as the numerics control). Every
-engine is a subprocess: a crash is a result.
+``--baseline-seconds`` (TTFT and pace baseline) and then replays a sample of ours'
+finished requests twice (reference, and in reverse order as the numerics control).
+Every engine is a subprocess: a crash is a result.
+
+Separating the connector's cost from the engines' order (stress/phases.py):
+
+* ``--idle-seconds S``: ours' requests of its first S seconds ask the connector to
+  neither store nor load (its hooks still run every step); faults start after S. The
+  report gives output tokens/s, ms per output token, ms per spec step and per engine
+  step, preemptions and stored chunks for the idle and the active phase (by request
+  end, ``--phase-margin`` seconds skipped after each start and after the switch) next
+  to the baseline's.
+* ``--baseline-first``: the no-connector engine runs its load before ours; the replay
+  then runs on a third (no-connector) engine after ours.
+
 Writes ``OUT/soak.json``, ``OUT/soak.md`` and ``OUT/soak.png``; see docs/benchmark.md.
 """
 
@@ -45,6 +57,7 @@ from vllm_draft_offload.bench.stress.jobs import (
     worker_env,
 )
 from vllm_draft_offload.bench.stress.load import SoakLoad
+from vllm_draft_offload.bench.stress.phases import DEFAULT_MARGIN_S, active_schedule
 from vllm_draft_offload.bench.stress.report import (
     NEAR_TIE_NATS,
     add_near_tie_option,
@@ -73,6 +86,8 @@ DRY_LOAD = SoakLoad(
 EXAMPLES = """examples:
   vllm-draft-offload soak --fixtures /root/fx --out /root/soak --minutes 10
   vllm-draft-offload soak --fixtures /root/fx --out /root/soak-redis --minutes 10 --backend redis
+  vllm-draft-offload soak --fixtures /root/fx --out /root/soak-order --no-faults --baseline-first \
+    --baseline-seconds 90 --seconds 210 --idle-seconds 90 --replay-n 8
   vllm-draft-offload soak --fixtures /tmp/fx --out /tmp/soak --dry-run-cpu --seconds 20
   vllm-draft-offload soak --report-only /root/soak/soak.json --out /tmp/rep
 """
@@ -105,6 +120,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--fault-period", type=float, help="seconds between faults (run / 10; run / 6 under 60 s)"
     )
+    ap.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=0.0,
+        help="ours' requests of its first S seconds neither store nor load (the connector "
+        "idle); faults come after it",
+    )
+    ap.add_argument(
+        "--baseline-first",
+        action="store_true",
+        help="run the no-connector baseline before ours (the replay then on its own engine)",
+    )
+    ap.add_argument(
+        "--phase-margin",
+        type=float,
+        default=DEFAULT_MARGIN_S,
+        help="seconds skipped after each engine's start and the idle/active switch in the "
+        "phase figures (at most a quarter of a phase; default %(default)s)",
+    )
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--dtype")
     add_eager_or_compile(ap)
@@ -116,6 +150,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         field, _, reason = str(exc).partition(":")
         ap.error(f"--{field.replace('_', '-')}:{reason}")
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    if not 0 <= args.idle_seconds < seconds:
+        ap.error(f"--idle-seconds: {args.idle_seconds}, must be in [0, {seconds}) (the run)")
+    if args.baseline_first and args.baseline_seconds is not None and args.baseline_seconds <= 0:
+        ap.error("--baseline-first: needs a baseline (--baseline-seconds > 0)")
+    if args.phase_margin < 0:
+        ap.error(f"--phase-margin: {args.phase_margin}, must be >= 0")
     return args
 
 
@@ -212,10 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         else (seconds / 2 if dry else 120.0)
     )
     env = worker_env(dry, args.batch_invariant)
+    idle_s = args.idle_seconds
+    order = ["baseline", "ours", "replay"] if args.baseline_first else ["ours", "baseline"]
     data: dict[str, Any] = {
         **run_header("soak", "vllm-draft-offload soak", argv, dry, args.batch_invariant),
         "backend": args.backend,
         "seconds": seconds,
+        "idle_seconds": idle_s,
+        "phase_margin_s": args.phase_margin,
+        "baseline_first": args.baseline_first,
+        "engine_order": order if base_s > 0 else ["ours", "replay"],
         "near_tie_nats": NEAR_TIE_NATS if args.near_tie_nats is None else args.near_tie_nats,
         "load": load.to_dict(),
         "drafter": {**drafter.__dict__, "label": drafter.label},
@@ -227,22 +274,34 @@ def main(argv: list[str] | None = None) -> int:
         "faults": [],
     }
     common = {"dry_run": dry, "vocab": vocab, "load": load.to_dict(), "max_requests": max_requests}
+
+    def no_connector(mode: str, secs: float, replay: list[dict[str, Any]]) -> dict[str, Any]:
+        # GPU prefix cache on; memory sampled as in ours (no connector there: RSS only)
+        job = {**common, "mode": mode, "seconds": secs, "replay": replay, "state": False}
+        job.update(ready=str(out / "jobs" / "baseline.ready"))
+        job["engine_kwargs"] = build_kwargs("gpu_prefix", shape)
+        return job
+
     t0 = time.time()
+    if args.baseline_first and base_s > 0:
+        # the baseline's load alone, before ours: the replay needs ours' requests
+        rec = run_job(no_connector("soak", base_s, []), "baseline", out, env, args.engine_timeout)
+        data["runs"]["baseline"] = {**rec, "seconds": base_s}
+        (out / "soak.json").write_text(json.dumps(data))
     with storage(args, out, dry) as (url, backend, can_fill):
         data["l3_url"], data["disk_full_possible"] = url, can_fill
         ready = out / "jobs" / "ours.ready"
         ready.unlink(missing_ok=True)
-        injector = FaultInjector(
-            backend,
-            []
-            if args.no_faults
-            else schedule(seconds, tuple(args.faults.split(",")), args.fault_period),
-        )
+        # faults only while the connector works (after the idle phase)
+        faults = tuple(args.faults.split(","))
+        plan = [] if args.no_faults else active_schedule(seconds, idle_s, faults, args.fault_period)
+        injector = FaultInjector(backend, plan)
         waiter = _start_when_ready(ready, injector, args.engine_timeout)
         job = {
             **common,
             "mode": "soak",
             "seconds": seconds,
+            "idle_s": idle_s,
             "ready": str(ready),
             "replay_n": args.replay_n or (8 if dry else 64),
             "replay_every": 3 if dry else 25,
@@ -255,21 +314,24 @@ def main(argv: list[str] | None = None) -> int:
         data["faults"] = injector.stop() if injector.is_alive() or injector.events else []
     (out / "soak.json").write_text(json.dumps(data))
     sample = data["runs"]["ours"].get("replay_sample") or []
-    # One no-connector engine (GPU prefix cache on): the TTFT baseline under the same
-    # load for base_s, then the replay of ours' sample (reference + reversed control).
-    job = {**common, "mode": "soak" if base_s > 0 else "replay", "seconds": base_s}
-    # Memory sampled as in ours (no connector there: RSS only), to compare its growth.
-    job.update(ready=str(out / "jobs" / "baseline.ready"), replay=sample, state=False)
-    job["engine_kwargs"] = build_kwargs("gpu_prefix", shape)
-    rec = run_job(job, "baseline", out, env, args.engine_timeout)
-    if base_s > 0:
-        data["runs"]["baseline"] = {**rec, "seconds": base_s}
+    if args.baseline_first and base_s > 0:
+        rec = run_job(no_connector("replay", 0.0, sample), "replay", out, env, args.engine_timeout)
+        engine = "a no-connector engine of its own, after ours (--baseline-first)"
+    else:
+        # One no-connector engine: the baseline's load for base_s, then the replay of
+        # ours' sample (reference + reversed control).
+        mode = "soak" if base_s > 0 else "replay"
+        rec = run_job(no_connector(mode, base_s, sample), "baseline", out, env, args.engine_timeout)
+        if base_s > 0:
+            data["runs"]["baseline"] = {**rec, "seconds": base_s}
+        engine = "baseline (no connector, GPU prefix cache reset before the replay)"
     data["runs"]["replay"] = {
         "status": rec.get("status") if "reference" in rec else "not run",
         "reference": rec.pop("reference", None),
         "reference_margins": rec.pop("reference_margins", None),
         "control": rec.pop("control", None),
-        "engine": "baseline (no connector, GPU prefix cache reset before the replay)",
+        "engine": engine,
+        "started_at": rec.get("started_at"),
     }
     data["total_wall_s"] = time.time() - t0
     return _write(data, out)

@@ -6,7 +6,9 @@
 
 * ``pressure``: the request list of `load.pressure_requests` on
   ``job["streams"]`` streams (`StreamDriver`), outputs and counters recorded.
-* ``soak``: the load mix of `load.SoakStreams` until ``job["seconds"]``; every
+* ``soak``: the load mix of `load.SoakStreams` until ``job["seconds"]`` (requests
+  submitted before ``job["idle_s"]`` ask the connector to neither store nor load:
+  `phases.idle_params`); every
   second a memory sample (RSS of this process and of the engine's, the connector's
   buffers; every 10 s also the entries of each connector container) and the
   connector/prefix-cache counters; writes
@@ -41,6 +43,16 @@ SAMPLED = (
     "vllm:spec_decode_num_",
     "vllm:prompt_tokens_cached_by_source",
     "vllm:draft_offload_l3_thread_seconds",
+    "vllm:num_preemptions",
+)
+# Histograms sampled by their sum and count only (their buckets would bloat every
+# sample): the count of ``iteration_tokens_total`` is the engine steps that produced
+# output; the request histograms say where requests spent their time.
+SAMPLED_HISTOGRAMS = (
+    "vllm:iteration_tokens_total",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
 )
 # Samples (one a second) between counts of the connector's containers (stress/state.py).
 STATE_EVERY = 10
@@ -49,17 +61,31 @@ STATE_EVERY = 10
 def _counters() -> dict[str, float]:
     from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
 
-    return {k: v for k, v in snapshot_metrics().items() if k.startswith(SAMPLED) and v}
+    return {k: v for k, v in snapshot_metrics().items() if v and _sampled(k)}
+
+
+def _sampled(key: str) -> bool:
+    name = key.partition("{")[0]
+    if name.startswith(SAMPLED_HISTOGRAMS):
+        return name.endswith(("_sum", "_count"))
+    return name.startswith(SAMPLED)
 
 
 def _engine_info(llm: Any) -> dict[str, Any]:
     vc = llm.llm_engine.vllm_config
+    sc = vc.scheduler_config
+    async_sched = getattr(sc, "async_scheduling", None)  # None: vLLM left it unresolved
     return {
         "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
         "block_size": vc.cache_config.block_size,
         "dtype": str(vc.model_config.dtype),
         "max_model_len": vc.model_config.max_model_len,
         "device": _device_name(),
+        # what vLLM resolved (the engine kwargs leave them to it)
+        "async_scheduling": None if async_sched is None else bool(async_sched),
+        "max_num_batched_tokens": getattr(sc, "max_num_batched_tokens", None),
+        "max_num_seqs": getattr(sc, "max_num_seqs", None),
+        "executor_backend": str(getattr(vc.parallel_config, "distributed_executor_backend", None)),
     }
 
 
@@ -120,8 +146,10 @@ class Worker:
     def soak(self) -> None:
         from vllm_draft_offload.bench.stress.engine import StreamDriver, memory_sample
         from vllm_draft_offload.bench.stress.load import SoakLoad, SoakStreams
+        from vllm_draft_offload.bench.stress.phases import idle_params
 
         load = SoakLoad.from_dict(self.job["load"])
+        idle_s = float(self.job.get("idle_s") or 0.0)  # the connector moves nothing until then
         streams = SoakStreams(load, int(self.job["vocab"]))
         samples: list[dict[str, Any]] = []
         last_save = [time.perf_counter()]
@@ -156,11 +184,19 @@ class Worker:
             on_tick=tick,
             keep_prompt=sampled,
             keep_output=sampled,
+            params_for=idle_params(idle_s) if idle_s > 0 else None,
         ).run()
         tick(res.wall_s, last=True)
         self._driver_result(res)
         self.result["requests"] = [
-            {"kind": f.kind, "seq": f.seq, "submit_t": f.submit_t, "end_t": f.end_t, **f.record}
+            {
+                "kind": f.kind,
+                "seq": f.seq,
+                "submit_t": f.submit_t,
+                "end_t": f.end_t,
+                **f.record,
+                **({"kv_transfer_params": f.kv_params} if f.kv_params else {}),
+            }
             for f in res.finished
         ]
         self.result["replay_sample"] = [
