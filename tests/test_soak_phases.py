@@ -30,7 +30,21 @@ def test_idle_params_before_the_switch_plain_after() -> None:
     # what the connector reads from them: neither stored nor restored
     assert request_options(first) == RequestOptions(store=False, load=False)
     assert ph.is_idle({"kv_transfer_params": first}) and not ph.is_idle({})
-    assert not ph.is_idle({"kv_transfer_params": {"draft_offload": {"store": False}}})
+    assert not ph.is_idle({"kv_transfer_params": {"draft_offload": {}}})
+    assert not ph.is_idle({"kv_transfer_params": {"draft_offload": {"store": True}}})
+
+
+def test_idle_off_load_alone_keeps_stores_and_turns_restores_off() -> None:
+    """``--idle-off load``: the idle phase stores and never restores, so the active
+    phase's extra step time in the same engine is the restores'."""
+    params = ph.idle_params(90.0, ("load",))(0.0)
+    assert params == {"draft_offload": {"load": False}}
+    assert request_options(params) == RequestOptions(store=True, load=False)
+    assert ph.is_idle({"kv_transfer_params": params})
+    note = ph.idle_note({"idle_seconds": 90.0, "idle_off": ["load"]})
+    assert note == "Ours idle (requests sent `load: false`) for its first 90 s."
+    # runs from before --idle-off turned both off
+    assert "`store: false, load: false`" in ph.idle_note({"idle_seconds": 90.0})
 
 
 class _FakeEngine:
@@ -102,6 +116,8 @@ def test_faults_fall_in_the_active_phase_only() -> None:
         (["--seconds", "60", "--idle-seconds", "-1"], "--idle-seconds"),
         (["--baseline-first", "--baseline-seconds", "0"], "--baseline-first"),
         (["--phase-margin", "-1"], "--phase-margin"),
+        (["--idle-off", "store,copy"], "--idle-off"),
+        (["--idle-off", ""], "--idle-off"),
     ],
 )
 def test_soak_refuses_bad_phase_flags_by_name(
@@ -124,7 +140,8 @@ def test_the_lease_scripts_soak_order_phase_parses() -> None:
     assert (args.idle_seconds, args.seconds, args.baseline_seconds) == (90.0, 210.0, 90.0)
     assert args.phase_margin == ph.DEFAULT_MARGIN_S and args.replay_n == 8
     assert str(args.out) == "/root/soak-order"
-    assert "/root/soak-order/soak.json" in text  # collect brings it back
+    assert "for d in soak-order soak-order-stores" in text  # collect brings both back
+    assert '"/root/$d/soak.json"' in text
     assert soak.parse_args(["--out", "/tmp/x"]).idle_seconds == 0.0
 
 
@@ -279,3 +296,11 @@ def test_phase_split_of_a_run_without_idle_phase_or_step_counters() -> None:
     assert p["engines"]["ours"]["engine_steps"] is None
     assert p["engines"]["ours"]["async_scheduling"] is None
     assert "async scheduling not recorded" in "\n".join(ph.phase_markdown(p))
+
+
+def test_the_lease_scripts_soak_order_stores_phase_parses() -> None:
+    text = LEASE.read_text()
+    m = re.search(r'\[soak-order-stores\]="([^"]*)"', text)
+    assert m, "no soak-order-stores phase in lease.sh"
+    args = soak.parse_args(shlex.split(m.group(1).replace("\\\n", " "))[2:])
+    assert args.idle_off == ("load",) and args.baseline_seconds == 0 and args.idle_seconds == 90

@@ -97,6 +97,9 @@
 #   decode-prof  one profiled batch each of none/null/idle (torch.profiler: wall
 #             against GPU busy time): /root/decode_prof_small.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
+#   soak-order-stores  soak-order with the idle phase storing and never restoring
+#             (--idle-off load): the stores' and the restores' share of the working
+#             engine's step time, each inside one engine: /root/soak-order-stores
 #   soak-order  the soak's pace gap taken apart (about 7 min, estimated): the no-connector
 #             baseline first (90 s), then ours 210 s, its first 90 s with the connector
 #             idle (requests store and load nothing), no faults, then the replay on its
@@ -256,6 +259,8 @@ declare -A CMD=(
     --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90"
   [soak-order]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-order --no-faults \
     --baseline-first --baseline-seconds 90 --seconds 210 --idle-seconds 90 --replay-n 8"
+  [soak-order-stores]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-order-stores \
+    --no-faults --baseline-seconds 0 --seconds 210 --idle-seconds 90 --idle-off load --replay-n 8"
   [hybrid]="bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
   [hybrid-speed]="vllm-draft-offload restore-speed --enforce-eager --shape gptoss20b \
     --configs recompute,native,ours --reps 3 --out /root/restore_speed_gptoss.json"
@@ -297,7 +302,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|l3-threads|decode-prof|soak|soak-order|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|l3-threads|decode-prof|soak|soak-order|soak-order-stores|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -356,8 +361,10 @@ collect)
   cp /root/restore_speed_*.json /root/l3_stages*.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
   for d in copy copy-table; do [ -d "/root/$d" ] && cp -r "/root/$d" "$C"/; done
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
-  [ -f /root/soak-order/soak.md ] && mkdir -p "$C/soak-order" &&
-    cp /root/soak-order/soak.json /root/soak-order/soak.md /root/soak-order/soak.png "$C/soak-order"/
+  for d in soak-order soak-order-stores; do
+    [ -f "/root/$d/soak.md" ] && mkdir -p "$C/$d" &&
+      cp "/root/$d/soak.json" "/root/$d/soak.md" "/root/$d/soak.png" "$C/$d"/
+  done
   tar -czf /root/lease.tgz -C /root collect
   if [ "$(stat -c %s /root/lease.tgz)" -le $((15 << 20)) ]; then
     cp /root/lease.tgz "$OUT"/

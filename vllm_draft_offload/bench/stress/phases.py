@@ -39,6 +39,7 @@ from typing import Any
 from vllm_draft_offload.bench.stress.faults import schedule
 
 IDLE_PARAMS: dict[str, Any] = {"draft_offload": {"store": False, "load": False}}
+TRANSFERS = ("store", "load")  # what an idle phase can turn off (``soak --idle-off``)
 DEFAULT_MARGIN_S = 20.0
 
 STEPS = "vllm:iteration_tokens_total_count"
@@ -49,18 +50,29 @@ LOADED = "vllm:draft_offload_loaded_chunks_total{{tier={}}}"
 TIMES = ("queue", "prefill", "decode")  # vllm:request_{x}_time_seconds
 
 
-def idle_params(idle_s: float) -> Callable[[float], dict[str, Any] | None]:
+def idle_options(off: tuple[str, ...] = TRANSFERS) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of an idle request: ``off`` (of ``TRANSFERS``) false.
+    With only ``load`` off, the idle phase stores and never restores: the stores' cost
+    alone, against the active phase in the same engine."""
+    return {"draft_offload": dict.fromkeys(off, False)}
+
+
+def idle_params(
+    idle_s: float, off: tuple[str, ...] = TRANSFERS
+) -> Callable[[float], dict[str, Any] | None]:
     """``params_for`` of `engine.StreamDriver`: idle before ``idle_s``, plain after."""
 
     def params_for(t: float) -> dict[str, Any] | None:
         # a fresh dict per request: vLLM keeps it on the request
-        return {"draft_offload": dict(IDLE_PARAMS["draft_offload"])} if t < idle_s else None
+        return idle_options(off) if t < idle_s else None
 
     return params_for
 
 
 def is_idle(request: dict[str, Any]) -> bool:
-    return request.get("kv_transfer_params") == IDLE_PARAMS
+    """Whether a request was sent idle (any of the transfers turned off)."""
+    options = (request.get("kv_transfer_params") or {}).get("draft_offload")
+    return bool(options) and set(options) <= set(TRANSFERS) and not any(options.values())
 
 
 def active_schedule(
@@ -236,6 +248,7 @@ def phase_summary(data: dict[str, Any]) -> dict[str, Any]:
     return {
         "margin_s": m,
         "idle_seconds": float(data.get("idle_seconds") or 0.0),
+        "idle_off": list(data.get("idle_off") or TRANSFERS),
         "engine_order": order,
         "figures": figures,
         "vs_baseline": vs,
@@ -245,6 +258,14 @@ def phase_summary(data: dict[str, Any]) -> dict[str, Any]:
 
 def _c(x: Any, fmt: str = "{:.2f}") -> str:
     return "n/a" if x is None else fmt.format(x)
+
+
+def idle_note(p: dict[str, Any]) -> str:
+    """What the idle phase's requests turned off, and for how long."""
+    if not p["idle_seconds"]:
+        return "No idle phase."
+    off = ", ".join(f"{key}: false" for key in p.get("idle_off") or TRANSFERS)
+    return f"Ours idle (requests sent `{off}`) for its first {p['idle_seconds']:.0f} s."
 
 
 def phase_markdown(p: dict[str, Any]) -> list[str]:
@@ -257,13 +278,7 @@ def phase_markdown(p: dict[str, Any]) -> list[str]:
         "",
         f"Engine order: {' → '.join(p['engine_order'])}. Windows by request end, seconds "
         f"since the engine's load started, {p['margin_s']:.0f} s skipped after each start "
-        "and after the switch; (×) = ratio to the baseline's. "
-        + (
-            f"Ours idle (requests sent `store: false, load: false`) for its first "
-            f"{p['idle_seconds']:.0f} s."
-            if p["idle_seconds"]
-            else "No idle phase."
-        ),
+        "and after the switch; (×) = ratio to the baseline's. " + idle_note(p),
         "",
         "| phase | window (s) | requests (idle) | output tok/s (×) | ms / output token (×) "
         "| ms / spec step (×) | AL | engine steps | ms / engine step (×) | drafts / step "

@@ -57,7 +57,7 @@ from vllm_draft_offload.bench.stress.jobs import (
     worker_env,
 )
 from vllm_draft_offload.bench.stress.load import SoakLoad
-from vllm_draft_offload.bench.stress.phases import DEFAULT_MARGIN_S, active_schedule
+from vllm_draft_offload.bench.stress.phases import DEFAULT_MARGIN_S, TRANSFERS, active_schedule
 from vllm_draft_offload.bench.stress.report import (
     NEAR_TIE_NATS,
     add_near_tie_option,
@@ -128,6 +128,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "idle); faults come after it",
     )
     ap.add_argument(
+        "--idle-off",
+        default=",".join(TRANSFERS),
+        help="what the idle phase's requests turn off, of store,load (default %(default)s; "
+        "load alone: the idle phase stores and never restores)",
+    )
+    ap.add_argument(
         "--baseline-first",
         action="store_true",
         help="run the no-connector baseline before ours (the replay then on its own engine)",
@@ -151,6 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         field, _, reason = str(exc).partition(":")
         ap.error(f"--{field.replace('_', '-')}:{reason}")
     seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    args.idle_off = tuple(args.idle_off.split(","))
+    if not args.idle_off or not set(args.idle_off) <= set(TRANSFERS):
+        ap.error(f"--idle-off: {','.join(args.idle_off)}, give one or both of store,load")
     if not 0 <= args.idle_seconds < seconds:
         ap.error(f"--idle-seconds: {args.idle_seconds}, must be in [0, {seconds}) (the run)")
     if args.baseline_first and args.baseline_seconds is not None and args.baseline_seconds <= 0:
@@ -260,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend,
         "seconds": seconds,
         "idle_seconds": idle_s,
+        "idle_off": list(args.idle_off),
         "phase_margin_s": args.phase_margin,
         "baseline_first": args.baseline_first,
         "engine_order": order if base_s > 0 else ["ours", "replay"],
@@ -302,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode": "soak",
             "seconds": seconds,
             "idle_s": idle_s,
+            "idle_off": list(args.idle_off),
             "ready": str(ready),
             "replay_n": args.replay_n or (8 if dry else 64),
             "replay_every": 3 if dry else 25,

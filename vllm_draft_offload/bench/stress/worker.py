@@ -146,7 +146,7 @@ class Worker:
     def soak(self) -> None:
         from vllm_draft_offload.bench.stress.engine import StreamDriver, memory_sample
         from vllm_draft_offload.bench.stress.load import SoakLoad, SoakStreams
-        from vllm_draft_offload.bench.stress.phases import idle_params
+        from vllm_draft_offload.bench.stress.phases import TRANSFERS, idle_params
 
         load = SoakLoad.from_dict(self.job["load"])
         idle_s = float(self.job.get("idle_s") or 0.0)  # the connector moves nothing until then
@@ -184,7 +184,9 @@ class Worker:
             on_tick=tick,
             keep_prompt=sampled,
             keep_output=sampled,
-            params_for=idle_params(idle_s) if idle_s > 0 else None,
+            params_for=idle_params(idle_s, tuple(self.job.get("idle_off") or TRANSFERS))
+            if idle_s > 0
+            else None,
         ).run()
         tick(res.wall_s, last=True)
         self._driver_result(res)
