@@ -665,11 +665,6 @@ def soak_markdown(data: dict[str, Any]) -> str:
         ),
         ("TTFT p50 / p99, ours (whole run)", p(t["ours"])),
         (
-            f"first {t['baseline_seconds']} s, ours vs no connector: requests finished; "
-            "output tokens/s; prompt tokens computed; decode per output token (mean)",
-            _throughput_cell(t.get("throughput_first_window")),
-        ),
-        (
             "storage threads' seconds (wall / own CPU), read; write",
             "; ".join(
                 f"{_f(s['l3_thread_seconds'].get(f'{op}/wall'))} / "
@@ -679,11 +674,19 @@ def soak_markdown(data: dict[str, Any]) -> str:
             if s.get("l3_thread_seconds")
             else "not recorded",
         ),
-        (
-            f"TTFT p50 / p99, ours first {t['baseline_seconds']} s vs no connector",
-            f"{p(t['ours_first_window'])} vs {p(t['baseline'])}",
-        ),
     ]
+    if t.get("baseline_seconds"):  # a run without a no-connector engine has nothing to compare
+        rows += [
+            (
+                f"first {t['baseline_seconds']} s, ours vs no connector: requests finished; "
+                "output tokens/s; prompt tokens computed; decode per output token (mean)",
+                _throughput_cell(t.get("throughput_first_window")),
+            ),
+            (
+                f"TTFT p50 / p99, ours first {t['baseline_seconds']} s vs no connector",
+                f"{p(t['ours_first_window'])} vs {p(t['baseline'])}",
+            ),
+        ]
     head = [
         "# Soak",
         "",
