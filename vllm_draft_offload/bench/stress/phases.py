@@ -3,8 +3,10 @@
 ``soak --idle-seconds S``: every request the connector engine gets in its first S
 seconds carries `IDLE_PARAMS` (request_options.py: neither stored nor restored; the
 connector is loaded and its hooks run every step, but it moves nothing), later ones are
-plain. One run then gives both "idle connector vs no connector" and "working connector
-vs no connector"; ``--baseline-first`` runs the no-connector engine first, so that the
+plain. ``--idle-off load`` turns only restores off (`idle_options`): the idle phase
+then stores, and the active phase's extra cost in the same engine is the restores'.
+One run then gives both "idle connector vs no connector" and "working connector vs no
+connector"; ``--baseline-first`` runs the no-connector engine first, so that the
 engines' order can be told apart from the connector.
 
 Windows, in seconds since an engine's load started; a request belongs to the window its

@@ -7,8 +7,8 @@
 * ``pressure``: the request list of `load.pressure_requests` on
   ``job["streams"]`` streams (`StreamDriver`), outputs and counters recorded.
 * ``soak``: the load mix of `load.SoakStreams` until ``job["seconds"]`` (requests
-  submitted before ``job["idle_s"]`` ask the connector to neither store nor load:
-  `phases.idle_params`); every
+  submitted before ``job["idle_s"]`` ask the connector to turn off what
+  ``job["idle_off"]`` names, storing and restoring by default: `phases.idle_params`); every
   second a memory sample (RSS of this process and of the engine's, the connector's
   buffers; every 10 s also the entries of each connector container) and the
   connector/prefix-cache counters; writes
