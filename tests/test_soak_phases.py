@@ -266,6 +266,10 @@ def test_phase_split_reads_idle_active_and_baseline_from_one_run() -> None:
     assert vs["idle"]["output_tokens_per_s"] == pytest.approx(0.5)
     assert vs["idle"]["ms_per_engine_step"] == pytest.approx(20 / 16)
     assert vs["active"]["ms_per_spec_step_mean"] == pytest.approx(25 / 16)
+    # the same engine's phases against each other: its own speed divided out
+    inside = p["active_vs_idle"]
+    assert inside["ms_per_engine_step"] == pytest.approx(25 / 20)
+    assert inside["output_tokens_per_s"] == pytest.approx(1.0)  # 31 tok/s in both
     e = p["engines"]
     assert e["ours"]["order"] == 1 and e["baseline"]["order"] == 0
     assert e["ours"]["async_scheduling"] is True
@@ -276,6 +280,8 @@ def test_phase_split_reads_idle_active_and_baseline_from_one_run() -> None:
     assert "Engine order: baseline → ours → replay" in md and "first 40 s" in md
     assert "| idle | 5–40 | 35 (35) | 31 (0.500) |" in md
     assert "async scheduling on" in md
+    assert "Active over idle, one engine: output tok/s 1.000" in md
+    assert "ms / engine step 1.250" in md
 
 
 def test_phase_split_of_a_run_without_idle_phase_or_step_counters() -> None:
@@ -295,6 +301,7 @@ def test_phase_split_of_a_run_without_idle_phase_or_step_counters() -> None:
     assert p["figures"]["active"]["preemptions"] is None
     assert p["engines"]["ours"]["engine_steps"] is None
     assert p["engines"]["ours"]["async_scheduling"] is None
+    assert p["active_vs_idle"] is None  # no idle phase: nothing to divide by
     assert "async scheduling not recorded" in "\n".join(ph.phase_markdown(p))
 
 

@@ -234,14 +234,12 @@ def phase_summary(data: dict[str, Any]) -> dict[str, Any]:
         for key in ("ms_per_engine_step", "drafts_per_engine_step", "preemptions"):
             fig[key] = (fig["counters"] or {}).get(key)
         figures[name] = fig
-    vs: dict[str, Any] = {}
     base = figures.get("baseline")
-    for name in ("idle", "active"):
-        if base and name in figures:
-            vs[name] = {
-                k: figures[name][k] / base[k] if figures[name][k] is not None and base[k] else None
-                for k in RATIOS
-            }
+    vs = {
+        name: _ratios(figures[name], base)
+        for name in ("idle", "active")
+        if base and name in figures
+    }
     engines = {
         name: engine_figures(runs[name], order.index(name) if name in order else None)
         for name in ("ours", "baseline")
@@ -254,8 +252,18 @@ def phase_summary(data: dict[str, Any]) -> dict[str, Any]:
         "engine_order": order,
         "figures": figures,
         "vs_baseline": vs,
+        # one engine's two phases: what the connector's work costs with the engine's
+        # own speed divided out (engines of one config differ by more than the gap)
+        "active_vs_idle": _ratios(figures["active"], figures["idle"])
+        if "active" in figures and "idle" in figures
+        else None,
         "engines": engines,
     }
+
+
+def _ratios(figures: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """``figures`` over ``base`` for each of ``RATIOS`` (None where either is missing)."""
+    return {k: figures[k] / base[k] if figures[k] is not None and base[k] else None for k in RATIOS}
 
 
 def _c(x: Any, fmt: str = "{:.2f}") -> str:
@@ -314,6 +322,15 @@ def phase_markdown(p: dict[str, Any]) -> list[str]:
             _c(f["ttft_p50_s"], "{:.3f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if p.get("active_vs_idle"):
+        r = p["active_vs_idle"]
+        lines += [
+            "",
+            "Active over idle, one engine: output tok/s "
+            f"{_c(r['output_tokens_per_s'], '{:.3f}')}, ms / output token "
+            f"{_c(r['ms_per_output_token_mean'], '{:.3f}')}, ms / engine step "
+            f"{_c(r['ms_per_engine_step'], '{:.3f}')}.",
+        ]
     lines += ["", "Engines over their whole load:", ""]
     for name, e in p["engines"].items():
         sched = {True: "on", False: "off", None: "not recorded"}[e["async_scheduling"]]
