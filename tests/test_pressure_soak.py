@@ -688,3 +688,23 @@ def test_pressure_can_make_storage_serve_what_the_cpu_tier_dropped() -> None:
     assert parse_config(default_extra).l3.hit_policy == "cost"
     with pytest.raises(SystemExit):
         parse_args(["--l3-hit-policy", "sometimes"])
+
+
+def test_state_growth_tells_a_container_at_its_bound_from_one_still_rising() -> None:
+    """A cache that fills to its built-in bound and stays there (the overlap loads'
+    outcomes: one per CPU-tier slot) shows when it went flat; a leak does not."""
+    from vllm_draft_offload.bench.stress.report import state_growth
+
+    samples = [
+        {"t": float(t), "state": {"bounded": min(10 * t, 1184), "leak": 3 * t, "same": 5}}
+        for t in range(0, 200, 10)
+    ]
+    grew = {g["path"]: g for g in state_growth(samples)}
+    assert set(grew) == {"bounded", "leak"}  # "same" never grew
+    assert grew["bounded"]["max"] == grew["bounded"]["last"] == 1184
+    assert grew["bounded"]["t0"] == 50.0  # after the warm-up (a quarter of the run)
+    assert grew["bounded"]["flat_since_t"] == 120.0  # 10 * t >= 1184 from t = 120 on
+    assert grew["leak"]["flat_since_t"] is None  # it rose up to the last sample
+    # a count that fell back from its peak is not flat at a bound
+    samples[-1]["state"]["bounded"] = 1000
+    assert state_growth(samples)[0]["flat_since_t"] is None
