@@ -336,3 +336,40 @@ def test_connector_state_is_bounded_after_a_long_run_with_faults(
     for worker in eng.workers:
         assert worker.worker.l3.store.staging_in_use() == 0
     eng.shutdown()
+
+
+class _Half:
+    """Stands in for the scheduler half: only its type is checked."""
+
+
+def test_scheduler_half_is_found_on_engine_cores_stack_though_the_heap_is_frozen() -> None:
+    """vLLM freezes the garbage collector's heap once EngineCore has started, and
+    ``gc.get_objects`` leaves frozen objects out: a scan never found the scheduler half
+    on a GPU (session 20's soaks sampled the worker half only). A worker's
+    ``collective_rpc`` runs inside EngineCore's loop when both share a process, so
+    the stack reaches it: EngineCore.scheduler.connector._scheduler."""
+    import gc
+    from types import SimpleNamespace
+
+    from vllm_draft_offload.bench.stress.state import half_on_stack
+
+    half = _Half()
+    gc.freeze()
+    try:
+        assert not any(obj is half for obj in gc.get_objects())  # why the scan misses it
+    finally:
+        gc.unfreeze()
+
+    class EngineCore:  # holds the scheduler, whose connector holds the half
+        def __init__(self) -> None:
+            connector = SimpleNamespace(_scheduler=half)
+            self.scheduler = SimpleNamespace(connector=connector)
+
+        def run_busy_loop(self) -> Any:
+            return collective_rpc()
+
+    def collective_rpc() -> Any:
+        return half_on_stack(_Half)
+
+    assert EngineCore().run_busy_loop() is half
+    assert half_on_stack(_Half) is None  # not inside an engine's loop

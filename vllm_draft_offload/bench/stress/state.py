@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import queue
+import sys
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -79,27 +80,50 @@ def _tasks(loop: asyncio.AbstractEventLoop) -> int:
 # ------------------------------------------------------------------ inside an engine
 
 _scheduler_half: weakref.ref[Any] | None = None
-_looked_for_scheduler = False
+_scanned_for_scheduler = False
+
+
+# How an object on this thread's call stack reaches the scheduler half: vLLM's
+# EngineCore holds the Scheduler, whose KV connector holds our scheduler half.
+SCHEDULER_PATH = ("scheduler", "connector", "_scheduler")
+
+
+def half_on_stack(cls: type, path: tuple[str, ...] = SCHEDULER_PATH) -> Any | None:
+    """The first ``self.<path>`` of a frame on this thread's stack that is a ``cls``.
+    A worker's ``collective_rpc`` runs inside EngineCore's busy loop when the worker
+    shares its process (the `uni` executor), so EngineCore is on the stack then."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj: Any = frame.f_locals.get("self")
+        for name in path:
+            obj = getattr(obj, name, None)
+        if isinstance(obj, cls):
+            return obj
+        frame = frame.f_back
+    return None
 
 
 def _find_scheduler_half() -> Any | None:
-    """The scheduler half of this process's connector, found once by a scan of the
-    garbage collector's objects and then held weakly. It lives in the EngineCore
-    process, where vLLM runs the worker of a one-GPU engine too (the `uni` executor);
-    None in a worker process of its own (tensor parallelism, vLLM's CPU platform)."""
-    global _scheduler_half, _looked_for_scheduler
+    """The scheduler half of this process's connector, found once and then held
+    weakly: on the call stack (EngineCore's), else by a scan of the garbage collector's
+    objects. The scan alone never found it on a GPU: vLLM freezes the collector's heap
+    once EngineCore has started (``freeze_gc_heap``), and ``gc.get_objects`` leaves
+    frozen objects out. It lives in the EngineCore process, where vLLM runs the worker
+    of a one-GPU engine too (the `uni` executor); None in a worker process of its own
+    (tensor parallelism, vLLM's CPU platform)."""
+    global _scheduler_half, _scanned_for_scheduler
     if _scheduler_half is not None:
         return _scheduler_half()
-    if _looked_for_scheduler:
-        return None
-    _looked_for_scheduler = True
     from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
 
-    for obj in gc.get_objects():
-        if isinstance(obj, DraftOffloadScheduler):
-            _scheduler_half = weakref.ref(obj)
-            return obj
-    return None
+    found = half_on_stack(DraftOffloadScheduler)  # cheap: tried on every call
+    if found is None and not _scanned_for_scheduler:
+        _scanned_for_scheduler = True  # a scan of every object: once
+        found = next((o for o in gc.get_objects() if isinstance(o, DraftOffloadScheduler)), None)
+    if found is None:
+        return None
+    _scheduler_half = weakref.ref(found)
+    return found
 
 
 def connector_state(worker: Any = None) -> dict[str, int]:
