@@ -14,6 +14,7 @@ Where NVML or a GPU is missing (CPU runs), the GPU fields are None.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import threading
@@ -38,9 +39,11 @@ CLOCK_REASONS = {
 TOP_PROCESSES = 5  # the processes that used the most CPU in a window, by name
 
 
+@functools.cache
 def _nvml_handle() -> Any | None:  # noqa: ANN401 - an NVML device handle
     """The NVML handle of the GPU this process uses (the first of
-    ``CUDA_VISIBLE_DEVICES`` when it names indices), or None without NVML or a GPU."""
+    ``CUDA_VISIBLE_DEVICES`` when it names indices), or None without NVML or a GPU.
+    Looked up once per process: every sampler (one per batch) shares it."""
     try:
         from vllm.third_party import pynvml
 

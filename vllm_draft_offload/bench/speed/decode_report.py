@@ -242,7 +242,7 @@ def pool_reports(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Several decode-overhead output files (``{path: contents}``) as one: per shape,
     every file's engines under their config, then the shape's summary and table row
     over all of them. Pairs divide each engine's own speed out, so engines of runs made
-    apart pool into one median and interval; ``sources`` names each file's GPU,
+    apart pool into one median and interval; ``pooled_from`` names each file's GPU,
     versions and batch settings, so a reader sees what was pooled."""
     shapes: dict[str, dict[str, Any]] = {}
     sources = []

@@ -113,16 +113,23 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
+def decode_seconds_per_token(done: list[dict[str, Any]]) -> float | None:
+    """The mean over requests of the engine's own first-to-last-token time per token
+    after the first (decode only: queueing, loads and prefill come before the first)."""
+    return _mean(
+        [
+            (q["last_ts"] - q["first_ts"]) / (q["out_len"] - 1)
+            for q in done
+            if "last_ts" in q and "first_ts" in q and int(q.get("out_len") or 0) > 1
+        ]
+    )
+
+
 def request_figures(reqs: list[dict[str, Any]], a: float, b: float) -> dict[str, Any]:
     """What finished in (a, b]: see the module's docstring."""
     done = [q for q in reqs if a < q.get("end_t", float("inf")) <= b]
     span = b - a
     timed = [q for q in done if "last_ts" in q and "first_ts" in q]
-    per_token = [
-        (q["last_ts"] - q["first_ts"]) / (q["out_len"] - 1)
-        for q in timed
-        if int(q.get("out_len") or 0) > 1
-    ]
     per_step = [
         (q["last_ts"] - q["first_ts"]) / q["spec"]["steps"]
         for q in timed
@@ -141,7 +148,7 @@ def request_figures(reqs: list[dict[str, Any]], a: float, b: float) -> dict[str,
         else None,
         "computed_prompt_tokens_per_s": (prompt - cached) / span if span > 0 else None,
         "cached_share": cached / prompt if prompt else None,
-        "ms_per_output_token_mean": _ms(_mean(per_token)),
+        "ms_per_output_token_mean": _ms(decode_seconds_per_token(done)),
         "ms_per_spec_step_mean": _ms(_mean(per_step)),
         "spec_steps_per_request": steps / len(done) if done else None,
         "acceptance_length": 1 + accepted / steps if steps else None,
@@ -200,14 +207,10 @@ def engine_figures(run: dict[str, Any], order: int | None) -> dict[str, Any]:
         "preemptions": None,
         "ms_per_engine_step": None,
     }
-    if len(samples) >= 2 and _steps_recorded(samples):
-        first, last = samples[0], samples[-1]
-        steps = last["counters"].get(STEPS, 0.0) - first["counters"].get(STEPS, 0.0)
-        out["engine_steps"] = int(steps)
-        out["preemptions"] = int(
-            last["counters"].get(PREEMPTIONS, 0.0) - first["counters"].get(PREEMPTIONS, 0.0)
-        )
-        out["ms_per_engine_step"] = 1e3 * (last["t"] - first["t"]) / steps if steps else None
+    whole = counter_figures(samples, samples[0]["t"], samples[-1]["t"]) if samples else None
+    if whole is not None:
+        for key in ("engine_steps", "preemptions", "ms_per_engine_step"):
+            out[key] = whole[key]
     return out
 
 

@@ -13,7 +13,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vllm_draft_offload.bench.stress.phases import phase_markdown, phase_summary
+from vllm_draft_offload.bench.stress.phases import (
+    decode_seconds_per_token,
+    phase_markdown,
+    phase_summary,
+)
 
 LOADED = "vllm:draft_offload_loaded_chunks_total{{tier={}}}"
 HIT = "vllm:draft_offload_lookup_hit_chunks_total{{tier={}}}"
@@ -369,17 +373,11 @@ def throughput(reqs: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
     done = [q for q in reqs if q.get("end_t", float("inf")) <= window_s]
     out = sum(int(q.get("out_len") or 0) for q in done)
     computed = sum(int(q.get("prompt_len") or 0) - int(q.get("cached") or 0) for q in done)
-    # the engine's own timestamps: first to last token, over the tokens after the first
-    per_token = [
-        (q["last_ts"] - q["first_ts"]) / (q["out_len"] - 1)
-        for q in done
-        if "last_ts" in q and "first_ts" in q and int(q.get("out_len") or 0) > 1
-    ]
     return {
         "requests": len(done),
         "output_tokens_per_s": out / window_s if window_s else None,
         "computed_prompt_tokens": computed,
-        "decode_s_per_token_mean": sum(per_token) / len(per_token) if per_token else None,
+        "decode_s_per_token_mean": decode_seconds_per_token(done),
     }
 
 
