@@ -97,6 +97,11 @@
 #   decode-prof  one profiled batch each of none/null/idle (torch.profiler: wall
 #             against GPU busy time): /root/decode_prof_small.json
 #   soak      the 10-minute soak with faults (about 14.5 min): /root/soak
+#   soak-alt1 / soak-alt2  soak-order shortened (baseline 75 s, ours 165 s, its first 60 s
+#             idle, 4 replays; about 8 and 7 min): run back to back, baseline, ours,
+#             baseline, ours on one machine: /root/soak-alt1, /root/soak-alt2
+#   decode-8b-dma12  decode-8b-dma with a 12 GiB CPU tier (341 slots): whether the
+#             365-376 ms wait_for_save stalls follow the slots or the batch count
 #   soak-order-stores  soak-order with the idle phase storing and never restoring
 #             (--idle-off load): the stores' and the restores' share of the working
 #             engine's step time, each inside one engine: /root/soak-order-stores
@@ -125,6 +130,15 @@ SELF=$(realpath "$0")
 mkdir -p "$L"
 bg() { local log=$1; shift; (setsid nohup bash -c "$*" > "$L/$log.log" 2>&1 &); }
 set_up() { [ -x /root/proj/bin/vllm-draft-offload ]; }
+
+# The soak's pace gap with several engines per config on one machine (session 20: one
+# connector engine at 0.85 x a no-connector baseline, the next, on another machine,
+# above it). Two of these back to back give baseline, ours, baseline, ours; shorter
+# than soak-order so that both fit one lease after fx.
+soak_alt_cmd() {
+  echo "vllm-draft-offload soak --fixtures /root/fx --out /root/soak-alt$1 --no-faults \
+    --baseline-first --baseline-seconds 75 --seconds 165 --idle-seconds 60 --replay-n 4"
+}
 
 accept_cmd() {
   local mtp=() swa llama long long_mtp f c
@@ -248,6 +262,9 @@ declare -A CMD=(
   [decode-8b-procs]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs none,store --reps 8 --turn-prompts 0 --engine-timeout 500 \
       --out /root/decode_8b_procs.json"
+  [decode-8b-dma12]="vllm-draft-offload decode-overhead --shape llama8b --configs store_dma \
+      --reps 8 --turn-prompts 0 --time-hooks --engine-timeout 500 --cpu-gib 12 \
+      --out /root/decode_8b_dma12.json"
   [decode-8b-dma]="vllm-draft-offload decode-overhead --shape llama8b --configs store_dma \
       --reps 8 --turn-prompts 0 --time-hooks --engine-timeout 500 --out /root/decode_8b_dma.json"
   [l3-threads]="for t in 8 12 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
@@ -259,6 +276,8 @@ declare -A CMD=(
     --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90"
   [soak-order]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-order --no-faults \
     --baseline-first --baseline-seconds 90 --seconds 210 --idle-seconds 90 --replay-n 8"
+  [soak-alt1]="$(soak_alt_cmd 1)"
+  [soak-alt2]="$(soak_alt_cmd 2)"
   [soak-order-stores]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-order-stores \
     --no-faults --baseline-seconds 0 --seconds 210 --idle-seconds 90 --idle-off load --replay-n 8"
   [hybrid]="bash scripts/gpu/hybrid.sh /root/fx-hybrid /root/acc-hybrid"
@@ -302,7 +321,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|l3-threads|decode-prof|soak|soak-order|soak-order-stores|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -361,7 +380,7 @@ collect)
   cp /root/restore_speed_*.json /root/l3_stages*.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
   for d in copy copy-table; do [ -d "/root/$d" ] && cp -r "/root/$d" "$C"/; done
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
-  for d in soak-order soak-order-stores; do
+  for d in soak-order soak-order-stores soak-alt1 soak-alt2; do
     [ -f "/root/$d/soak.md" ] && mkdir -p "$C/$d" &&
       cp "/root/$d/soak.json" "/root/$d/soak.md" "/root/$d/soak.png" "$C/$d"/
   done
