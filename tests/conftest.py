@@ -32,6 +32,19 @@ def _environ_restored() -> Iterator[None]:
         os.environ.update(before)
 
 
+@pytest.fixture(params=["native", "python"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """fast_io's reader for one test: the C extension's GIL-free loop or its Python
+    fallback, which unit fetches must treat alike (test_fast_io fails where a compiler
+    is present and the extension did not build, so the skip here cannot hide that)."""
+    from vllm_draft_offload import fast_io
+
+    if request.param == "native" and not fast_io.AVAILABLE:
+        pytest.skip(f"native reader not built: {fast_io.reader()}")
+    monkeypatch.setattr(fast_io, "NATIVE", request.param == "native")
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Config-only target and draft directories (the draft has another KV geometry)."""

@@ -56,22 +56,32 @@ def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> N
 
 
 def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path) -> None:
+    from vllm_draft_offload import fast_io
+
+    readers = ["native", "python"] if fast_io.AVAILABLE else ["python"]
     out = tmp_path / "stages.json"
     rc = cli.main(
         ["l3-stages", "--dir", str(tmp_path / "l3"), "--unit-mb", "0.6", "--units", "3",
          "--threads", "2", "--reps", "1", "--engine-loop-ms", "0,0.5", "--writes", "0,2",
-         "--piece-kib", "64", "--out", str(out)]
+         "--reader", ",".join(readers), "--piece-kib", "64", "--native-piece-kib", "32",
+         "--out", str(out)]
     )  # fmt: skip
     assert rc == 0
     report = json.loads(out.read_text())
     # Where it ran: the GPU (here none) and the versions behind the figures.
     assert report["gpu"] == "cpu"
     assert report["versions"]["lmcache"] and report["versions"]["xxhash"]
+    assert report["native_available"] == fast_io.AVAILABLE
+    assert report["fetch_reader"] == fast_io.reader()
+    assert fast_io.NATIVE == fast_io.AVAILABLE  # the run switched readers and back
     rows = report["scenarios"]
-    # Every engine loop x writes (not held, and held to one at a time).
-    assert [(r["piece_kib"], r["engine_loop_ms"], r["writes"], r["writes_held"]) for r in rows] == [
-        (piece, loop, writes, held)
-        for piece in (64,)
+    # Every reader x engine loop x writes (not held, and held to one at a time).
+    assert [
+        (r["reader"], r["piece_kib"], r["engine_loop_ms"], r["writes"], r["writes_held"])
+        for r in rows
+    ] == [
+        (reader, {"native": 32, "python": 64}[reader], loop, writes, held)
+        for reader in readers
         for loop in (0, 0.5)
         for writes, held in ((0, False), (2, False), (2, True))
     ]
@@ -81,10 +91,14 @@ def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path)
         assert row["fetch_GBps"] > 0 and row["raw_GBps"] > 0
         assert row["fetch_vs_raw"] == row["fetch_GBps"] / row["raw_GBps"]
         stages = row["stages_ms_per_unit"]
-        assert stages["read"] > 0 and stages["checksum"] > 0
-        assert stages["total"] >= stages["read"] + stages["checksum"]
-        # The payload in pieces (the header came with LMCache's metadata); one hash each.
-        assert row["pieces_per_unit"] == -(-unit // (row["piece_kib"] << 10))
-        assert row["checksum_calls_per_unit"] == row["pieces_per_unit"]
-    # The background writes' files are gone; the units stay for the next run.
+        assert stages["read_and_checksum"] > 0
+        assert stages["total"] >= stages["read_and_checksum"]
+        # The payload in one call (the header came with LMCache's metadata) ...
+        assert row["hashed_reads_per_unit"] == 1
+        if row["reader"] == "native":  # ... whose pieces never leave C
+            assert stages["read"] is None and stages["checksum"] is None
+            assert row["pieces_per_unit"] is None
+        else:  # ... in pieces, each read and hashed in Python
+            assert stages["read"] > 0 and stages["checksum"] > 0
+            assert row["pieces_per_unit"] == -(-unit // (row["piece_kib"] << 10))
     assert len(list((tmp_path / "l3").glob("*.data"))) == 3

@@ -2,7 +2,8 @@
 from the object's file, by one thread or spread over several) and on Redis (LMCache's
 buffer, copied). Every defect the codec knows is refused with the codec's cause on every
 path, including damage in a piece that was already copied into the destination, and
-damaged fs:// files are storage errors, not hits. Real backends throughout: an fs
+damaged fs:// files are storage errors, not hits. Every test runs with both of fast_io's
+readers, the native loop and its Python fallback. Real backends throughout: an fs
 directory and redis-server.
 """
 
@@ -22,18 +23,26 @@ from hypothesis import strategies as st
 from redis_fixture import RedisServer, redis_server_binary
 from test_unit_codec import DEFECTS, _expected, _layers, _pack
 
+from vllm_draft_offload import fast_io
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import HEAD_BYTES, ObjectFile
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.run_pool import RunPool
-from vllm_draft_offload.unit_codec import UnitRejected, read_header
-from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into, layer_runs
-from vllm_draft_offload.unit_verify import ExpectedUnit, PayloadCheck
+from vllm_draft_offload.unit_codec import UnitRejected, checksum, read_header
+from vllm_draft_offload.unit_fetch import (
+    NATIVE_PIECE_BYTES,
+    PIECE_BYTES,
+    fetch_unit_into,
+    layer_runs,
+)
+from vllm_draft_offload.unit_verify import ExpectedUnit, check_layer, check_payload
 
 KEY = "3f" * 16
 # Pieces these tests read in (the product's are larger: the logic is the same, and a
 # unit of several pieces stays small).
 PIECE = 1 << 20
+
+pytestmark = pytest.mark.usefixtures("reader")
 
 
 def _open(url: str, timeout_s: float = 2.0) -> L3Store:
@@ -97,9 +106,12 @@ def _name(rng: random.Random) -> str:
     return rng.randbytes(16).hex()
 
 
-@pytest.mark.parametrize("piece", [PIECE, PIECE_BYTES, 4096 + 64])
+@pytest.mark.parametrize(
+    ("piece", "native_piece"),
+    [(PIECE, NATIVE_PIECE_BYTES), (PIECE_BYTES, PIECE_BYTES), (4096 + 64, 4096 + 64)],
+)
 def test_fetch_lands_the_payload_bit_exact(
-    store: L3Store, piece: int, spread: RunPool | None
+    store: L3Store, piece: int, native_piece: int, spread: RunPool | None
 ) -> None:
     """In pieces of PIECE, the product's, and an odd size (a short last piece)."""
     rng = random.Random(1)
@@ -107,7 +119,9 @@ def test_fetch_lands_the_payload_bit_exact(
     name = _name(rng)
     store.put(name, blob)
     dest = bytearray(b"\xaa" * len(payload))
-    header = fetch_unit_into(store, name, expected, memoryview(dest), piece, spread)
+    header = fetch_unit_into(
+        store, name, expected, memoryview(dest), piece, spread, native_piece_bytes=native_piece
+    )
     assert header == read_header(blob)[0]
     assert dest == payload
     assert fetch_unit_into(store, _name(rng), expected, memoryview(dest)) is None
@@ -133,20 +147,29 @@ def test_planted_defect_is_refused_with_the_codec_cause(
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), size=st.integers(1, 4096))
-def test_payload_check_is_the_payload_checksum_whatever_the_pieces(
-    data: st.DataObject, size: int
+def test_a_digest_is_the_payload_checksum_whatever_the_pieces(
+    data: st.DataObject, size: int, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Any split into pieces verifies an intact payload, and no split hides a changed byte,
-    a missing piece or an extra byte."""
+    """Any piece size reads or copies an intact payload to its checksum, and the checks
+    refuse a changed byte, a missing byte or an extra byte with the codec's causes."""
     layers = [("t", False, random.Random(size).randbytes(size)), ("d", True, b"\x01")]
     header, blob = _pack(layers)
     payload = blob[len(blob) - header.payload_nbytes :]
-    cuts = sorted(data.draw(st.sets(st.integers(1, len(payload) - 1), max_size=8)))
-    pieces = [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)], strict=True)]
-    check = PayloadCheck(header)
-    for piece in pieces:
-        check.update(piece)
-    check.finish()
+    piece = data.draw(st.integers(1, len(payload) + 1))
+    path = tmp_path_factory.mktemp("pieces") / "blob"
+    path.write_bytes(blob)
+    dest = bytearray(len(payload))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read = fast_io.pread_hash_into(fd, len(blob) - len(payload), memoryview(dest), piece, 1e18)
+    finally:
+        os.close(fd)
+    copied = fast_io.copy_hash_into(payload, memoryview(bytearray(len(payload))), piece)
+    assert dest == payload and read == copied
+    assert read.hex() == checksum(payload) == header.payload_checksum
+    check_payload(header, len(payload), read)
+    first = header.layers[0]
+    check_layer(first, first.nbytes, bytes.fromhex(checksum(payload[: first.nbytes])))
 
     at = data.draw(st.integers(0, len(payload) - 1))
     damaged = bytearray(payload)
@@ -156,11 +179,15 @@ def test_payload_check_is_the_payload_checksum_whatever_the_pieces(
         (payload[:-1], "truncated"),
         (payload + b"\0", "corrupt_header"),
     ):
-        check = PayloadCheck(header)
-        check.update(fed)
         with pytest.raises(UnitRejected) as exc:
-            check.finish()
+            check_payload(header, len(fed), bytes.fromhex(checksum(fed)))
         assert exc.value.cause == cause
+    layer = bytearray(payload[: first.nbytes])
+    layer[at % first.nbytes] ^= 0x01
+    for nbytes, digest in ((first.nbytes, checksum(layer)), (0, checksum(b""))):
+        with pytest.raises(UnitRejected) as exc:
+            check_layer(first, nbytes, bytes.fromhex(digest))
+        assert exc.value.cause == "checksum_mismatch"
 
 
 @pytest.mark.parametrize("where", ["first_byte", "middle_piece", "last_byte"])
@@ -297,20 +324,22 @@ def test_spread_runs_are_whole_layers_that_tile_the_payload() -> None:
 def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     stores: dict[str, L3Store], pool: RunPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The runs really run on the pool's threads; a run that finds damage stops the
-    others, and none reads on after the fetch returned."""
+    """The runs really run on the pool's threads, one read call per layer; a run that
+    finds damage stops the others, and none reads on after the fetch returned."""
     store = stores["fs"]
     rng = random.Random(9)
     blob, payload, expected = _big_unit(rng)
+    span = len(blob) - len(payload)
     reads: list[str] = []
-    real = ObjectFile.readinto
+    real = ObjectFile.readinto_hashed
 
-    def recording(file: ObjectFile, pos: int, buf: memoryview) -> None:
+    def recording(file: ObjectFile, pos: int, buf: memoryview, piece: int) -> bytes:
         reads.append(threading.current_thread().name)
-        time.sleep(0.01)  # slow enough that the runs overlap
-        real(file, pos, buf)
+        if pos != span:
+            time.sleep(0.05)  # every layer but the first: slow enough that the runs overlap
+        return real(file, pos, buf, piece)
 
-    monkeypatch.setattr(ObjectFile, "readinto", recording)
+    monkeypatch.setattr(ObjectFile, "readinto_hashed", recording)
     name = _name(rng)
     store.put(name, blob)
     dest = bytearray(len(payload))
@@ -319,16 +348,17 @@ def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     # every byte read on the pool's threads, by more than one (the caller only waits)
     assert all(r.startswith("spread-test") for r in reads), reads
     assert len(set(reads)) > 1, reads
+    assert len(reads) == 5  # one call per layer
 
     bad = bytearray(blob)
-    bad[len(blob) - len(payload) + 5] ^= 0x01  # in t0, the first run
+    bad[span + 5] ^= 0x01  # in t0, the first run: found while the others sleep
     store.put(name + "0", bytes(bad))
     reads.clear()
     with pytest.raises(UnitRejected) as exc:
-        fetch_unit_into(store, name + "0", expected, memoryview(dest), PIECE // 4, pool)
+        fetch_unit_into(store, name + "0", expected, memoryview(dest), PIECE, pool)
     assert exc.value.cause == "checksum_mismatch"
     after = len(reads)
-    time.sleep(0.1)
+    time.sleep(0.2)
     assert len(reads) == after  # nothing read into dest after the call returned
-    # 4 pieces per layer, 5 layers: the other runs stopped short of reading all 20
-    assert after < 20, reads
+    # 4 runs of 5 layers on 3 threads: the last run (d0, d1) never started its layers
+    assert after < 5, reads

@@ -17,6 +17,10 @@ together (``HEAD_BYTES``): every system call gives up the GIL and has to take it
 which under a busy engine thread (vLLM's loop steps while a request waits on storage)
 can cost more than the call itself.
 
+``ObjectFile.readinto_hashed`` reads a span and returns its digest in one call
+(fast_io: a GIL-free native loop when the extension was built, else the Python one),
+hashing each piece right after it landed, which a fetch checks against the unit's header.
+
 Reads are blocking and cannot be cancelled once in the kernel, so ``ObjectFile``
 checks the caller's deadline before each piece: a slow disk costs at most the timeout
 plus one piece, and nothing is written into the caller's buffer after the call returns.
@@ -30,12 +34,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Final
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
 
+from vllm_draft_offload import fast_io
 from vllm_draft_offload.l3_backends import CorruptObject
 
 # A file read this far ahead of the reader tells the kernel that the access is
@@ -70,15 +77,35 @@ class ObjectFile:
         """Fill ``buf`` with the object's bytes from ``pos``; a short file is corrupt."""
         if time.monotonic() > self.deadline:
             raise DeadlineExceeded(f"deadline passed at object byte {pos}")
+        self._check_span(pos, buf)
+        with self._errors(pos):
+            fast_io.pread_into(self.fd, self.start + pos, buf)
+
+    def readinto_hashed(self, pos: int, buf: memoryview, piece_bytes: int) -> bytes:
+        """Fill ``buf`` with the object's bytes from ``pos``, ``piece_bytes`` at a time,
+        each piece hashed right after it landed and the deadline checked before it; returns
+        the XXH3-128 digest of ``buf`` (``fast_io.pread_hash_into``'s)."""
+        self._check_span(pos, buf)
+        with self._errors(pos):
+            return fast_io.pread_hash_into(
+                self.fd, self.start + pos, buf, piece_bytes, self.deadline
+            )
+
+    def _check_span(self, pos: int, buf: memoryview) -> None:
         if pos < 0 or pos + buf.nbytes > self.nbytes:
             raise ValueError(f"[{pos}, {pos + buf.nbytes}) is outside the object")
-        done = 0
-        while done < buf.nbytes:
-            n = os.preadv(self.fd, [buf[done:]], self.start + pos + done)
-            if n <= 0:
-                # The file shrank after it was opened (truncated in place).
-                raise CorruptObject(f"file ended at object byte {pos + done} of {self.nbytes}")
-            done += n
+
+    @contextmanager
+    def _errors(self, pos: int) -> Iterator[None]:
+        """fast_io's errors of a read from object byte ``pos`` as the storage's."""
+        try:
+            yield
+        except fast_io.EndOfFile as e:
+            # The file shrank after it was opened (truncated in place).
+            at = pos + e.args[0]
+            raise CorruptObject(f"file ended at object byte {at} of {self.nbytes}") from None
+        except fast_io.DeadlinePassed as e:
+            raise DeadlineExceeded(f"deadline passed at object byte {pos + e.args[0]}") from None
 
     def read(self, pos: int, nbytes: int) -> bytes:
         """The object's bytes [pos, pos + nbytes): from ``head`` when it holds them."""

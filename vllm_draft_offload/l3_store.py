@@ -220,9 +220,9 @@ class L3Store(L3Channel):
 
         fs:// only (``reads_files``): no staging buffer and no event loop, so ``consume``
         can read the object straight into its destination, in pieces it verifies as they
-        land. The same timeout and circuit breaker apply as to ``get``: each
-        ``ObjectFile.readinto`` checks the deadline first, so ``consume`` has stopped
-        writing when this returns or raises.
+        land. The same timeout and circuit breaker apply as to ``get``: ``ObjectFile``'s
+        reads check the deadline before each piece, so ``consume`` has stopped writing
+        when this returns or raises.
         """
         lkey = self._key(key, "get")
         deadline = time.monotonic() + self.settings.timeout_s

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from vllm_draft_offload.config import L3Config
+from vllm_draft_offload.fast_io import reader
 from vllm_draft_offload.geometry import UnitLayout
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_residency import Presence, first_round_residency
@@ -33,7 +34,7 @@ from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
 from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import LayerSpec, UnitIdentity, UnitRejected, unit_frame
-from vllm_draft_offload.unit_fetch import PIECE_BYTES, fetch_unit_into
+from vllm_draft_offload.unit_fetch import NATIVE_PIECE_BYTES, PIECE_BYTES, fetch_unit_into
 from vllm_draft_offload.unit_verify import ExpectedUnit
 from vllm_draft_offload.unit_write import copy_unit_into
 
@@ -144,8 +145,12 @@ class WorkerL3:
         self.store = open_store(config, layout.unit_bytes)
         if config.switch_interval_ms is not None:
             lower_switch_interval(config.switch_interval_ms / 1000)
-        # Bytes a fetch reads (and hashes) at a time (unit_fetch; benchmarks vary it).
+        # Bytes a fetch reads (and hashes) at a time, by the Python reader and by the
+        # native one (unit_fetch; benchmarks vary them).
         self.fetch_piece_bytes = PIECE_BYTES
+        self.fetch_native_piece_bytes = NATIVE_PIECE_BYTES
+        if self.store is not None:
+            logger.info("DraftOffloadConnector: L3 fetches read with the %s reader", reader())
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind. Writes run one unit per task, as many at once as the
         # staging pool allows.
@@ -423,6 +428,7 @@ class WorkerL3:
                 dest,
                 self.fetch_piece_bytes,
                 self._spread_pool,
+                self.fetch_native_piece_bytes,
             )
             if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))

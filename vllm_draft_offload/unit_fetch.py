@@ -1,30 +1,42 @@
 """Fetching one stored unit into its destination (a host-pool slot), verified on the way.
 
-The payload lands in the destination in pieces of ``PIECE_BYTES``, and each piece is
-hashed right after it landed, while it is still in the CPU cache (the last level, at
-least): verifying then costs a cache-speed hash instead of another pass over memory, and
-nothing is copied twice.
+The payload lands in the destination in pieces, and each piece is hashed right after it
+landed, while it is still in the CPU cache: verifying then costs a cache-speed hash
+instead of another pass over memory, and nothing is copied twice. One call reads (or
+copies) and hashes the whole payload, or one layer (``fast_io``; its digest is then
+checked against the header, ``unit_verify``), with one of two readers:
 
-A fetch runs on a worker thread in the engine's process. Each read and each hash call
-gives up the GIL and takes it back; while vLLM's engine thread steps (it does, every
-millisecond or so, while a request waits on storage) taking it back can wait out the
-engine's Python, and read threads queue for it behind each other. So pieces are as large
-as the last-level cache comfortably holds for several threads at once, not the size of
-a core's L2: 1 MiB pieces took the GIL about 80 times per 36 MiB unit, 4 MiB pieces
-(with the header read along with LMCache's metadata) 23 times
-(``vllm-draft-offload l3-stages --piece-kib 1024,4096`` runs both).
+* native (``fast_io.NATIVE``: the C extension was built and not switched off), the
+  default: the whole loop runs without the GIL, so a unit takes it once (once per layer
+  when spread), and its pieces (``NATIVE_PIECE_BYTES``) can be as small as a core's L2
+  holds. With 4 MiB pieces on 8-16 threads a piece had left the cache before it was
+  hashed: the fetch moved each byte through memory three times where a raw read moves
+  it twice, and an H100 host fetched at 0.58-0.65 × the raw read (0.47-0.50 beside a
+  busy engine thread).
+* Python (the fallback): each read and each hash call gives up the GIL and takes it
+  back; while vLLM's engine thread steps (it does, every millisecond or so, while a
+  request waits on storage) taking it back can wait out the engine's Python, and read
+  threads queue for it behind each other. So its pieces (``piece_bytes``, by default
+  ``PIECE_BYTES``) are as large as the last-level cache comfortably holds for several
+  threads at once, not the size of a core's L2: 1 MiB pieces took the GIL about 80 times
+  per 36 MiB unit, 4 MiB pieces (with the header read along with LMCache's metadata) 23
+  times (``vllm-draft-offload l3-stages --reader python --piece-kib 1024,4096`` runs
+  both).
 
 * fs://: each piece is read from the object's file straight into the destination
-  (``L3Store.read_file``): no staging buffer, no event loop.
+  (``L3Store.read_file``, ``ObjectFile.readinto_hashed``): no staging buffer, no event
+  loop.
 * Other backends (Redis, lm://, Mooncake) hand over their own buffer (``get_into``);
-  it is copied into the destination piece by piece, each piece verified there.
+  it is copied into the destination piece by piece, each piece hashed there
+  (``fast_io.copy_hash_into``).
 
 A unit that fails any check raises ``UnitRejected``; the destination then holds a
 partial copy that must not be used (the caller drops the slot).
 
 Spread over threads (``spread``, fs:// only): one unit's layers are read and verified by
-several threads at once, in runs of whole layers of about ``piece_bytes``, each layer
-checked against its own digest in the header, the earliest unit's runs first
+several threads at once, in runs of whole layers of about ``piece_bytes`` (whichever
+reader runs), one read call per layer, each layer checked against its own digest in the
+header (a run stops between layers once another has failed), the earliest unit's runs first
 (run_pool.py), while the caller waits. The layers tile the payload (checked
 first), so every byte is verified, as by the payload digest. The aim is a unit landing
 in about 1 / threads of the time one thread takes (not yet measured on a GPU host): with
@@ -39,8 +51,7 @@ import threading
 from concurrent.futures import Future
 from typing import Final
 
-import numpy as np
-
+from vllm_draft_offload import fast_io
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import ObjectFile
 from vllm_draft_offload.l3_store import L3Store
@@ -54,11 +65,21 @@ from vllm_draft_offload.unit_codec import (
     parse_framed,
     read_header,
 )
-from vllm_draft_offload.unit_verify import ExpectedUnit, LayerCheck, PayloadCheck, check_expected
+from vllm_draft_offload.unit_verify import (
+    ExpectedUnit,
+    check_expected,
+    check_layer,
+    check_payload,
+)
 
-# Small enough to stay in the last-level cache between landing and hashing (several
-# threads' pieces at once), large enough that a unit takes the GIL a few dozen times.
+# The Python reader's pieces: small enough to stay in the last-level cache between landing
+# and hashing (several threads' pieces at once), large enough that a unit takes the GIL a
+# few dozen times. Also the size of a spread fetch's runs of layers.
 PIECE_BYTES: Final = 4 << 20
+# The native reader's pieces: it keeps the GIL released between them, so they need only
+# be small enough that a piece is still in the core's own L2 (1-2 MiB on current server
+# CPUs, shared with the read's kernel copy) when it is hashed right after landing.
+NATIVE_PIECE_BYTES: Final = 256 << 10
 
 
 def fetch_unit_into(
@@ -68,32 +89,37 @@ def fetch_unit_into(
     dest: memoryview,
     piece_bytes: int = PIECE_BYTES,
     spread: RunPool | None = None,
+    native_piece_bytes: int = NATIVE_PIECE_BYTES,
 ) -> UnitHeader | None:
     """Read object ``name`` into ``dest`` (exactly the payload's size) and verify it,
-    ``piece_bytes`` at a time; fs:// objects of more than one run of layers with the
-    help of ``spread``'s threads (never the caller's own pool: the caller waits for them).
+    ``native_piece_bytes`` (native reader) or ``piece_bytes`` (Python reader) at a time;
+    fs:// objects of more than one run of layers (``piece_bytes`` each) with the help of
+    ``spread``'s threads (never the caller's own pool: the caller waits for them).
 
     Returns the unit's header, or None when the object is absent. Raises
     ``UnitRejected`` for a unit that must not be used and ``L3Error`` for a storage
     failure, within the store's timeout.
     """
     dest = dest.cast("B") if dest.format != "B" else dest
+    piece = native_piece_bytes if fast_io.NATIVE else piece_bytes
     if store.reads_files:
         try:
             return store.read_file(
-                name, lambda file: _read_file_into(file, expected, dest, piece_bytes, spread)
+                name,
+                lambda file: _read_file_into(file, expected, dest, piece_bytes, piece, spread),
             )
         except L3Error as exc:
             if exc.kind != "unsupported":  # an fs plugin whose connector has no files
                 raise
-    return store.get_into(name, lambda blob: _copy_blob_into(blob, expected, dest, piece_bytes))
+    return store.get_into(name, lambda blob: _copy_blob_into(blob, expected, dest, piece))
 
 
 def _read_file_into(
     file: ObjectFile,
     expected: ExpectedUnit,
     dest: memoryview,
-    piece_bytes: int,
+    run_bytes: int,
+    piece: int,
     spread: RunPool | None = None,
 ) -> UnitHeader:
     if file.nbytes < PREFIX_SIZE:
@@ -106,16 +132,11 @@ def _read_file_into(
     check_expected(header, expected)
     _check_destination(header, dest)
     if spread is not None:
-        runs = layer_runs(header, piece_bytes)
+        runs = layer_runs(header, run_bytes)
         if len(runs) > 1:
-            _read_runs(file, span, dest, runs, piece_bytes, spread)
+            _read_runs(file, span, dest, runs, piece, spread)
             return header
-    check = PayloadCheck(header)
-    for start in range(0, dest.nbytes, piece_bytes):
-        piece = dest[start : start + piece_bytes]
-        file.readinto(span + start, piece)
-        check.update(piece)
-    check.finish()
+    check_payload(header, dest.nbytes, file.readinto_hashed(span, dest, piece))
     return header
 
 
@@ -146,7 +167,7 @@ def _read_runs(
     span: int,
     dest: memoryview,
     runs: list[list[LayerEntry]],
-    piece_bytes: int,
+    piece: int,
     spread: RunPool,
 ) -> None:
     """Every run on ``spread``'s threads, in this unit's ticket order, while this thread
@@ -159,15 +180,13 @@ def _read_runs(
     ticket = spread.ticket()
     for run in runs:
         try:
-            futures.append(
-                spread.submit(ticket, _read_layers, file, span, dest, run, piece_bytes, stop)
-            )
+            futures.append(spread.submit(ticket, _read_layers, file, span, dest, run, piece, stop))
         except RuntimeError:  # the pool is shut down: read it here
             inline.append(run)
     failure: BaseException | None = None
     for run in inline:
         try:
-            _read_layers(file, span, dest, run, piece_bytes, stop)
+            _read_layers(file, span, dest, run, piece, stop)
         except BaseException as exc:
             failure = failure or exc
             stop.set()
@@ -185,41 +204,28 @@ def _read_layers(
     span: int,
     dest: memoryview,
     layers: list[LayerEntry],
-    piece_bytes: int,
+    piece: int,
     stop: threading.Event,
 ) -> None:
-    """Read ``layers`` into ``dest`` piece by piece, each layer checked against its digest."""
+    """Read ``layers`` into ``dest``, one call each, each layer checked against its digest."""
     try:
         for layer in layers:
-            check = LayerCheck(layer)
-            end = layer.offset + layer.nbytes
-            for start in range(layer.offset, end, piece_bytes):
-                if stop.is_set():
-                    return  # another run failed: the unit is refused anyway
-                piece = dest[start : min(start + piece_bytes, end)]
-                file.readinto(span + start, piece)
-                check.update(piece)
-            check.finish()
+            if stop.is_set():
+                return  # another run failed: the unit is refused anyway
+            into = dest[layer.offset : layer.offset + layer.nbytes]
+            check_layer(layer, into.nbytes, file.readinto_hashed(span + layer.offset, into, piece))
     except BaseException:
         stop.set()
         raise
 
 
 def _copy_blob_into(
-    blob: memoryview, expected: ExpectedUnit, dest: memoryview, piece_bytes: int
+    blob: memoryview, expected: ExpectedUnit, dest: memoryview, piece: int
 ) -> UnitHeader:
     header, payload = read_header(blob)
     check_expected(header, expected)
     _check_destination(header, dest)
-    # numpy copies without the GIL; the hash runs on the destination's fresh copy.
-    src = np.frombuffer(payload, dtype=np.uint8)
-    out = np.frombuffer(dest, dtype=np.uint8)
-    check = PayloadCheck(header)
-    for start in range(0, dest.nbytes, piece_bytes):
-        end = min(start + piece_bytes, dest.nbytes)
-        out[start:end] = src[start:end]
-        check.update(dest[start:end])
-    check.finish()
+    check_payload(header, dest.nbytes, fast_io.copy_hash_into(payload, dest, piece))
     return header
 
 

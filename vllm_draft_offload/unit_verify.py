@@ -2,9 +2,9 @@
 
 The identity checks (key, geometry, drafter, successor tokens, layer table) need only the
 header, so a unit from another deployment costs nothing to reject; the payload checksum
-comes last. ``PayloadCheck`` takes the payload piece by piece, so a reader can verify each
-piece right after it landed in its destination (``unit_fetch``) instead of hashing the
-whole payload in a second pass over memory.
+comes last. ``check_payload`` and ``check_layer`` judge a digest the reader took while the
+bytes landed in their destination (``unit_fetch``, through ``fast_io``: each piece hashed
+right after it landed, instead of the whole payload in a second pass over memory).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from vllm_draft_offload.unit_codec import (
     UnitHeader,
     UnitRejected,
     checksum,
-    payload_hasher,
     read_header,
 )
 
@@ -103,53 +102,22 @@ def check_expected(header: UnitHeader, expected: ExpectedUnit) -> None:
         )
 
 
-class PieceDigest:
-    """An XXH3-128 digest fed bytes in order, piece by piece, counting them.
-
-    A reader hashes each piece right after writing it to its destination, while it is
-    still in the CPU cache, instead of making a second pass over memory.
-    """
-
-    def __init__(self) -> None:
-        self._hash = payload_hasher()
-        self._fed = 0
-
-    def update(self, piece: Buffer) -> None:
-        mv = memoryview(piece)
-        self._hash.update(mv)
-        self._fed += mv.nbytes
+def check_payload(header: UnitHeader, nbytes: int, digest: bytes) -> None:
+    """Raise ``UnitRejected`` unless ``nbytes`` are exactly the payload's and ``digest``
+    (XXH3-128, fast_io's) is its checksum."""
+    if nbytes != header.payload_nbytes:
+        # More bytes than the header names is damage to the framing, as in read_header.
+        cause = "truncated" if nbytes < header.payload_nbytes else "corrupt_header"
+        raise UnitRejected(cause, f"checked {nbytes} of {header.payload_nbytes} bytes")
+    if digest.hex() != header.payload_checksum:
+        raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
 
 
-class PayloadCheck(PieceDigest):
-    """The payload's digest. ``finish`` raises ``checksum_mismatch`` unless exactly the
-    payload was fed and it matches."""
-
-    def __init__(self, header: UnitHeader) -> None:
-        super().__init__()
-        self._header = header
-
-    def finish(self) -> None:
-        if self._fed != self._header.payload_nbytes:
-            # More bytes than the header names is damage to the framing, as in read_header.
-            cause = "truncated" if self._fed < self._header.payload_nbytes else "corrupt_header"
-            raise UnitRejected(cause, f"checked {self._fed} of {self._header.payload_nbytes} bytes")
-        if self._hash.hexdigest() != self._header.payload_checksum:
-            raise UnitRejected("checksum_mismatch", "payload checksum mismatch")
-
-
-class LayerCheck(PieceDigest):
-    """One layer's digest (a unit whose layers are read by several threads: unit_fetch).
-    ``finish`` raises ``checksum_mismatch`` unless exactly the layer was fed and it
-    matches its entry."""
-
-    def __init__(self, layer: LayerEntry) -> None:
-        super().__init__()
-        self._layer = layer
-
-    def finish(self) -> None:
-        layer = self._layer
-        if self._fed != layer.nbytes or self._hash.hexdigest() != layer.checksum:
-            raise UnitRejected("checksum_mismatch", f"layer {layer.name!r} checksum mismatch")
+def check_layer(layer: LayerEntry, nbytes: int, digest: bytes) -> None:
+    """One layer's ``check_payload`` (a unit whose layers are read by several threads:
+    unit_fetch): ``checksum_mismatch`` unless exactly the layer was hashed and matches."""
+    if nbytes != layer.nbytes or digest.hex() != layer.checksum:
+        raise UnitRejected("checksum_mismatch", f"layer {layer.name!r} checksum mismatch")
 
 
 def decode_unit(blob: Buffer, expected: ExpectedUnit) -> tuple[UnitHeader, memoryview]:

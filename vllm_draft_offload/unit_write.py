@@ -32,7 +32,8 @@ from vllm_draft_offload.unit_codec import (
 )
 
 # Small enough that a piece is still in the last-level cache when it is hashed (twice:
-# the payload's digest and its layers'), as for fetches (unit_fetch.PIECE_BYTES).
+# the payload's digest and its layers'), as for fetches by the Python reader
+# (unit_fetch.PIECE_BYTES).
 PIECE_BYTES: Final = 4 << 20
 
 

@@ -1,5 +1,6 @@
-"""What every result file names about where it ran: the GPU and the versions that
-decide the figures (vLLM, torch, LMCache, xxhash, this package)."""
+"""What every result file names about where it ran: the GPU, the versions that decide
+the figures (vLLM, torch, LMCache, xxhash, this package) and which reader storage fetches
+used (``fast_io``: the native loop, or the Python one and why)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ PACKAGES = ("vllm", "torch", "lmcache", "xxhash", "vllm-draft-offload")
 
 
 def provenance() -> dict[str, Any]:
-    """``{"gpu": name or "cpu", "versions": {package: version or None}}``."""
+    """``{"gpu": name or "cpu", "versions": {package: version or None},
+    "fetch_reader": fast_io.reader()}``."""
     import torch
+
+    from vllm_draft_offload import fast_io
 
     versions: dict[str, str | None] = {}
     for package in PACKAGES:
@@ -21,4 +25,4 @@ def provenance() -> dict[str, Any]:
             versions[package] = None
     versions["torch"] = torch.__version__  # with its CUDA tag (+cu130), as torch says it
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "versions": versions}
+    return {"gpu": gpu, "versions": versions, "fetch_reader": fast_io.reader()}

@@ -3,7 +3,8 @@ plain threaded read of the same files.
 
     vllm-draft-offload l3-stages --dir /tmp/l3-stages [--unit-mb 36] [--units 16] \\
         [--threads 8] [--reps 3] [--engine-loop-ms 0,1] [--writes 0,16] \\
-        [--piece-kib 1024,4096] [--switch-interval-ms 5,0.5] [--out stages.json]
+        [--reader native,python] [--piece-kib 1024,4096] [--native-piece-kib 256,1024] \\
+        [--switch-interval-ms 5,0.5] [--out stages.json]
 
 Writes ``--units`` units (a Llama-3-8B-like layout: 32 target + 4 draft layers, ``--unit-mb``
 each; 36 MiB is one 256-token chunk) with the worker's own write path (``WorkerL3``), reads
@@ -14,24 +15,33 @@ them once so their files are in the page cache, then for every scenario reports:
 * ``raw_GBps``: the same files, each unit's bytes read with one ``preadv`` straight into
   the same slots, on a pool of as many threads (no checks, no checksum);
 * ``fetch_vs_raw``; and ``stages_ms_per_unit``, from one more fetch pass with the fetch
-  path's two workers timed (``ObjectFile.readinto``: the read, which lands in the slot, so
-  there is no separate copy to the slot on fs://; ``PieceDigest.update``: the checksum,
-  of the payload or, with a unit spread over threads, of each layer):
-  ``read``, ``checksum``, ``other`` (open, header, checks, waiting for the GIL) and
+  path's workers timed: ``read_and_checksum`` (``ObjectFile.readinto_hashed``: the payload,
+  or with a unit spread over threads each layer, read into the slot, so there is no
+  separate copy to the slot on fs://, and hashed piece by piece), of which, with the
+  Python reader, ``read`` (``fast_io.pread_into``, each piece's read) and ``checksum``
+  (the rest: the hash calls; the native reader does both in one call without the GIL,
+  so they are null there), ``other`` (open, header, checks, waiting for the GIL) and
   ``total`` (``FetchResult.seconds``), each summed over units and divided by their
-  number, plus ``pieces_per_unit`` (reads per unit: each one releases and retakes the GIL,
-  and so does each checksum call).
+  number; plus ``hashed_reads_per_unit`` (read calls per unit: the native reader gives up
+  the GIL and takes it back once per call) and, Python reader only, ``pieces_per_unit``
+  (reads per unit: each one releases and retakes the GIL, and so does each hash call).
 
-Scenarios are every combination of ``--switch-interval-ms``, ``--piece-kib``,
-``--engine-loop-ms`` and ``--writes``:
+Scenarios are every combination of ``--switch-interval-ms``, ``--reader`` with its piece
+sizes, ``--engine-loop-ms`` and ``--writes``:
 
 * ``switch_interval_ms``: Python's GIL switch interval during the scenario
   (``sys.setswitchinterval``; default the connector's ``l3.switch_interval_ms``, which
   ``WorkerL3`` applies). A fetch thread takes the GIL back after every read and
   checksum call, and each take can wait out an interval of the engine loop's Python.
 
-* ``piece_kib``: the bytes a fetch reads and hashes at a time (``WorkerL3.fetch_piece_bytes``;
-  default the product's ``unit_fetch.PIECE_BYTES``).
+* ``reader``: ``native`` (``fast_io``'s C loop, the product's default when it was built)
+  or ``python`` (its fallback, what ``VLLM_DRAFT_OFFLOAD_NATIVE_IO=0`` runs); default
+  the one the process would use. The report's ``native_available`` says whether the
+  extension could be imported at all.
+* ``piece_kib``: the bytes a fetch reads and hashes at a time, by the row's reader:
+  ``--piece-kib`` for the Python reader (``WorkerL3.fetch_piece_bytes``; default the
+  product's ``unit_fetch.PIECE_BYTES``), ``--native-piece-kib`` for the native one
+  (``WorkerL3.fetch_native_piece_bytes``; default ``unit_fetch.NATIVE_PIECE_BYTES``).
 
 * ``engine_loop_ms`` B > 0: while reads run, one more thread does what vLLM's engine
   loop does while a request waits on a KV connector: B ms of Python (an empty step),
@@ -67,6 +77,7 @@ from typing import Any
 
 from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
 
+from vllm_draft_offload import fast_io
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.provenance import provenance
 from vllm_draft_offload.config import L3Config
@@ -76,7 +87,6 @@ from vllm_draft_offload.l3_fs_reads import ObjectFile
 from vllm_draft_offload.l3_tier import WorkerL3, object_key
 from vllm_draft_offload.metadata import L3WriteOrder
 from vllm_draft_offload.transfers import HostPool
-from vllm_draft_offload.unit_verify import PieceDigest
 
 TARGET_LAYERS = 32
 DRAFT_LAYERS = 4
@@ -105,12 +115,13 @@ def chunk_key(i: int) -> bytes:
 
 
 class Timers:
-    """Seconds and calls of the fetch path's read and checksum, summed over threads."""
+    """Seconds and calls of the fetch path's read-and-checksum calls and, within them, of
+    the Python reader's reads, summed over threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.seconds = {"read": 0.0, "checksum": 0.0}
-        self.calls = {"read": 0, "checksum": 0}
+        self.seconds = {"read_and_checksum": 0.0, "read": 0.0}
+        self.calls = {"read_and_checksum": 0, "read": 0}
 
     def wrap(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
@@ -128,16 +139,17 @@ class Timers:
 
 @contextmanager
 def timed_stages(timers: Timers) -> Iterator[None]:
-    """Time ``ObjectFile.readinto`` and ``PieceDigest.update`` (the fetch path's read
-    and checksum) for the duration of the block."""
-    read, update = ObjectFile.readinto, PieceDigest.update
-    ObjectFile.readinto = timers.wrap("read", read)  # type: ignore[method-assign]
-    PieceDigest.update = timers.wrap("checksum", update)  # type: ignore[method-assign]
+    """Time ``ObjectFile.readinto_hashed`` (the fetch path's read and checksum) and
+    ``fast_io.pread_into`` (the Python reader's reads within it) for the duration of the
+    block."""
+    hashed, read = ObjectFile.readinto_hashed, fast_io.pread_into
+    ObjectFile.readinto_hashed = timers.wrap("read_and_checksum", hashed)  # type: ignore[method-assign]
+    fast_io.pread_into = timers.wrap("read", read)
     try:
         yield
     finally:
-        ObjectFile.readinto = read  # type: ignore[method-assign]
-        PieceDigest.update = update  # type: ignore[method-assign]
+        ObjectFile.readinto_hashed = hashed  # type: ignore[method-assign]
+        fast_io.pread_into = read
 
 
 @contextmanager
@@ -288,6 +300,7 @@ class Bench:
 
     def scenario(
         self,
+        reader: str,
         piece_kib: int | None,
         burst_ms: float,
         writes: int,
@@ -296,9 +309,12 @@ class Bench:
         files: list[Path],
     ) -> dict[str, Any]:
         assert self.l3 is not None
+        native = reader == "native"
+        fast_io.NATIVE = native
+        attr = "fetch_native_piece_bytes" if native else "fetch_piece_bytes"
         if piece_kib is not None:
-            self.l3.fetch_piece_bytes = piece_kib << 10
-        piece_bytes = getattr(self.l3, "fetch_piece_bytes", None)
+            setattr(self.l3, attr, piece_kib << 10)
+        piece_bytes = getattr(self.l3, attr)
         best = {"fetch": float("inf"), "raw": float("inf")}
         for _ in range(reps):
             for kind in ("fetch", "raw"):
@@ -310,16 +326,21 @@ class Bench:
         with timed_stages(timers), self.background(burst_ms, writes, held):
             per_unit = self.fetch_all()
         n = self.units
+        both = 1e3 * timers.seconds["read_and_checksum"] / n
+        read = None if native else 1e3 * timers.seconds["read"] / n
+        total = 1e3 * sum(per_unit) / n
         stages = {
-            "read": 1e3 * timers.seconds["read"] / n,
-            "checksum": 1e3 * timers.seconds["checksum"] / n,
-            "total": 1e3 * sum(per_unit) / n,
+            "read_and_checksum": both,
+            "read": read,
+            "checksum": None if read is None else both - read,
+            "other": total - both,
+            "total": total,
         }
-        stages["other"] = stages["total"] - stages["read"] - stages["checksum"]
-        total = n * self.layout.unit_bytes
-        fetch_gbps, raw_gbps = total / best["fetch"] / 1e9, total / best["raw"] / 1e9
+        nbytes = n * self.layout.unit_bytes
+        fetch_gbps, raw_gbps = nbytes / best["fetch"] / 1e9, nbytes / best["raw"] / 1e9
         return {
-            "piece_kib": None if piece_bytes is None else piece_bytes >> 10,
+            "reader": reader,
+            "piece_kib": piece_bytes >> 10,
             "engine_loop_ms": burst_ms,
             "writes": writes,
             "writes_held": held,
@@ -327,8 +348,8 @@ class Bench:
             "raw_GBps": raw_gbps,
             "fetch_vs_raw": fetch_gbps / raw_gbps,
             "stages_ms_per_unit": stages,
-            "pieces_per_unit": timers.calls["read"] / n,
-            "checksum_calls_per_unit": timers.calls["checksum"] / n,
+            "hashed_reads_per_unit": timers.calls["read_and_checksum"] / n,
+            "pieces_per_unit": None if native else timers.calls["read"] / n,
         }
 
     def _remove_written(self, keys: list[int]) -> None:
@@ -344,21 +365,28 @@ class Bench:
 
 def _line(row: dict[str, Any]) -> str:
     s = row["stages_ms_per_unit"]
+    split = (
+        f"read {s['read']:.2f} checksum {s['checksum']:.2f}"
+        if s["read"] is not None
+        else f"read+checksum {s['read_and_checksum']:.2f}"
+    )
+    calls = row["pieces_per_unit"] or row["hashed_reads_per_unit"]
     return (
-        f"switch_ms={row.get('switch_interval_ms', 5):g} "
+        f"switch_ms={row.get('switch_interval_ms', 5):g} reader={row['reader']} "
         f"piece_kib={row['piece_kib']} engine_loop_ms={row['engine_loop_ms']:g} "
         f"writes={row['writes']}{' held' if row['writes_held'] else ''}: "
         f"fetch {row['fetch_GBps']:.2f} GB/s, "
         f"raw {row['raw_GBps']:.2f} GB/s, fetch/raw {row['fetch_vs_raw']:.2f}; "
-        f"ms per unit: read {s['read']:.2f} checksum {s['checksum']:.2f} "
-        f"other {s['other']:.2f} total {s['total']:.2f}; "
-        f"{row['pieces_per_unit']:.0f} reads/unit"
+        f"ms per unit: {split} other {s['other']:.2f} total {s['total']:.2f}; "
+        f"{calls:.0f} reads/unit"
     )
 
 
 EXAMPLES = """examples:
   vllm-draft-offload l3-stages --dir /root/l3-stages --threads 8 --units 32 \\
       --engine-loop-ms 0,1 --writes 0,32 --piece-kib 1024,4096 --out $OUT/l3_stages.json
+  vllm-draft-offload l3-stages --dir /root/l3-stages --threads 16 --units 32 \\
+      --reader native,python --native-piece-kib 128,256,1024 --out $OUT/l3_stages.json
   vllm-draft-offload l3-stages --dir /dev/shm/l3 --unit-mb 4 --units 8 --threads 2
 """
 
@@ -372,7 +400,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engine-loop-ms", default="0,1", help="Python ms per emulated empty step")
     ap.add_argument("--writes", default="0", help="unit writes queued before each pass")
-    ap.add_argument("--piece-kib", default="", help="fetch piece sizes (default: the product's)")
+    ap.add_argument(
+        "--reader",
+        default="",
+        help="fetch readers to measure: native, python or both (default: the one in use)",
+    )
+    ap.add_argument(
+        "--piece-kib", default="", help="Python reader's piece sizes (default: the product's)"
+    )
+    ap.add_argument(
+        "--native-piece-kib",
+        default="",
+        help="native reader's piece sizes (default: the product's)",
+    )
     ap.add_argument(
         "--switch-interval-ms",
         default="",
@@ -383,7 +423,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     bursts = [float(b) for b in args.engine_loop_ms.split(",")]
     writes = [int(w) for w in args.writes.split(",")]
-    pieces: list[int | None] = [int(p) for p in args.piece_kib.split(",") if p] or [None]
+    readers = [r.strip() for r in args.reader.split(",") if r.strip()] or [
+        "native" if fast_io.NATIVE else "python"
+    ]
+    unknown = set(readers) - {"native", "python"}
+    if unknown:
+        raise SystemExit(f"unknown --reader {sorted(unknown)}: native or python")
+    if "native" in readers and not fast_io.AVAILABLE:
+        raise SystemExit(f"--reader native: the extension is missing ({fast_io.reader()})")
+    pieces: dict[str, list[int | None]] = {
+        "python": [int(p) for p in args.piece_kib.split(",") if p] or [None],
+        "native": [int(p) for p in args.native_piece_kib.split(",") if p] or [None],
+    }
+    use = fast_io.NATIVE
     intervals = [float(i) for i in args.switch_interval_ms.split(",") if i] or [None]
     python_default = sys.getswitchinterval()
     bench = Bench(args.dir, args.unit_mb, args.units, args.threads)
@@ -398,18 +450,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"{len(missing)} unit files missing after the writes")
         bench.fetch_all()  # into the page cache
         configured = sys.getswitchinterval()  # after the tier lowered it
-        for interval, piece_kib, burst, w in itertools.product(intervals, pieces, bursts, writes):
+        cases = [(r, p) for r in readers for p in pieces[r]]
+        for interval, (reader, piece_kib), burst, w in itertools.product(
+            intervals, cases, bursts, writes
+        ):
             sys.setswitchinterval(configured if interval is None else interval / 1000)
             # Held: as while a request waits on storage (where the connector has
             # hold_writes); not held: as before it did.
             for held in (False, True) if w and hasattr(l3, "hold_writes") else (False,):
-                row = bench.scenario(piece_kib, burst, w, held, args.reps, files)
+                row = bench.scenario(reader, piece_kib, burst, w, held, args.reps, files)
                 row["switch_interval_ms"] = sys.getswitchinterval() * 1000
                 scenarios.append(row)
                 print(_line(row), flush=True)
     finally:
         bench.close()
         sys.setswitchinterval(python_default)
+        fast_io.NATIVE = use
     report: dict[str, Any] = {
         **provenance(),
         "host": platform.node(),
@@ -419,6 +475,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "units": args.units,
         "threads": args.threads,
         "reps": args.reps,
+        # the C extension could be imported (rows name the reader they ran; provenance's
+        # fetch_reader, the one the product would use)
+        "native_available": fast_io.AVAILABLE,
         "scenarios": scenarios,
     }
     if args.out:

@@ -1,0 +1,210 @@
+"""fast_io: the native read-and-hash loop (``_fastread``) and its Python fallback land the
+same bytes and return python-xxhash's XXH3-128 digest of them, whatever the sizes and
+pieces; a file that ends early, a deadline already passed and a bad descriptor fail the
+same way on both, and through ``ObjectFile`` as the storage's errors. The native loop
+keeps the GIL released while it reads. Real files throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from vllm_draft_offload import fast_io
+from vllm_draft_offload.l3_backends import CorruptObject
+from vllm_draft_offload.l3_fs_reads import DeadlineExceeded, ObjectFile
+
+# Sizes around XXH3's internal boundaries (16, 128, 240 bytes; its 1 KiB stripes' blocks)
+# and a piece size that divides none of the larger ones.
+SIZES = [0, 1, 15, 16, 17, 128, 129, 240, 241, 1023, 1025, 65536 + 3, (1 << 20) + 7]
+PIECES = [7, 64, 4096, 1000 + 1, 256 << 10, 4 << 20]
+OFFSET = 13  # the data starts mid-file, as a payload does behind its header
+LATER = 1e18  # a deadline that never passes
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, bytes]]:
+    data = random.Random(0).randbytes(max(SIZES))
+    path = tmp_path_factory.mktemp("fast_io") / "data"
+    path.write_bytes(b"h" * OFFSET + data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd, data
+    finally:
+        os.close(fd)
+
+
+def test_the_extension_is_built_where_a_compiler_is() -> None:
+    """An install with a C compiler builds ``_fastread`` (setup.py, ``optional=True``): a
+    build that failed would only warn, and every fetch would quietly run the slower
+    Python loop."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler: the Python reader is the expected one")
+    assert fast_io.AVAILABLE, fast_io.reader()
+    if os.environ.get(fast_io.ENV_VAR, "1") not in ("0", "false", "no", "off"):
+        assert fast_io.NATIVE and fast_io.reader() == "native"
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("piece", PIECES)
+def test_digest_is_python_xxhash_and_the_bytes_land_exact(
+    reader: str, data_file: tuple[int, bytes], size: int, piece: int
+) -> None:
+    fd, data = data_file
+    if size // piece > 20_000:
+        pytest.skip("too many pieces for a test")
+    want = xxhash.xxh3_128(data[:size]).digest()
+    dest = bytearray(b"\xaa" * (size + 1))
+    got = fast_io.pread_hash_into(fd, OFFSET, memoryview(dest)[:size], piece, LATER)
+    assert got == want and got.hex() == xxhash.xxh3_128_hexdigest(data[:size])
+    assert dest[:size] == data[:size] and dest[size] == 0xAA
+    copied = bytearray(size)
+    assert fast_io.copy_hash_into(data[:size], memoryview(copied), piece) == want
+    assert copied == data[:size]
+
+
+def test_any_destination_buffer_of_bytes(reader: str, data_file: tuple[int, bytes]) -> None:
+    """A memoryview of another format (a host slot's view) is read as its bytes."""
+    fd, data = data_file
+    dest = memoryview(bytearray(4096)).cast("I")
+    assert fast_io.pread_hash_into(fd, OFFSET, dest, 1000, LATER) == (
+        xxhash.xxh3_128(data[:4096]).digest()
+    )
+    assert dest.tobytes() == data[:4096]
+
+
+def test_a_file_that_ends_early_says_how_much_landed(
+    reader: str, data_file: tuple[int, bytes]
+) -> None:
+    fd, data = data_file
+    have = len(data) - 100  # from file offset OFFSET + 100
+    dest = bytearray(len(data))
+    with pytest.raises(fast_io.EndOfFile) as exc:
+        fast_io.pread_hash_into(fd, OFFSET + 100, memoryview(dest), 4096, LATER)
+    assert exc.value.args[0] == have
+    assert dest[:have] == data[100:]
+
+
+def test_a_passed_deadline_writes_nothing(reader: str, data_file: tuple[int, bytes]) -> None:
+    fd, _ = data_file
+    dest = bytearray(b"\xaa" * 10_000)
+    with pytest.raises(fast_io.DeadlinePassed) as exc:
+        fast_io.pread_hash_into(fd, OFFSET, memoryview(dest), 4096, time.monotonic() - 0.001)
+    assert exc.value.args[0] == 0
+    assert dest == b"\xaa" * 10_000
+
+
+def test_a_bad_descriptor_is_an_os_error(reader: str, tmp_path: Path) -> None:
+    dest = memoryview(bytearray(100))
+    with pytest.raises(OSError):
+        fast_io.pread_hash_into(-1, 0, dest, 64, LATER)
+    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: EISDIR
+    try:
+        with pytest.raises(OSError):
+            fast_io.pread_hash_into(fd, 0, dest, 64, LATER)
+    finally:
+        os.close(fd)
+
+
+def test_impossible_arguments_are_refused(reader: str, data_file: tuple[int, bytes]) -> None:
+    fd, _ = data_file
+    dest = memoryview(bytearray(10))
+    with pytest.raises(ValueError):
+        fast_io.pread_hash_into(fd, 0, dest, 0, LATER)
+    with pytest.raises(ValueError):
+        fast_io.pread_hash_into(fd, -1, dest, 64, LATER)
+    with pytest.raises(ValueError):
+        fast_io.copy_hash_into(b"x" * 11, dest, 64)
+    with pytest.raises(ValueError):
+        fast_io.copy_hash_into(b"x" * 10, dest, 0)
+    with pytest.raises((TypeError, BufferError)):  # a read-only destination
+        fast_io.pread_hash_into(fd, 0, memoryview(bytes(10)), 64, LATER)
+
+
+def test_object_file_turns_them_into_storage_errors(
+    reader: str, data_file: tuple[int, bytes]
+) -> None:
+    """A short file is corrupt and a passed deadline a timeout, with the object's own
+    byte positions (what ``L3Store.read_file`` reports)."""
+    fd, data = data_file
+    size = len(data)
+    file = ObjectFile(fd, OFFSET, size + 50, LATER)  # the metadata says 50 bytes more
+    dest = bytearray(size + 50)
+    assert file.readinto_hashed(0, memoryview(dest)[:size], 4096) == xxhash.xxh3_128(data).digest()
+    with pytest.raises(CorruptObject, match=f"file ended at object byte {size} of {size + 50}"):
+        file.readinto_hashed(0, memoryview(dest), 4096)
+    with pytest.raises(CorruptObject, match=f"file ended at object byte {size} of {size + 50}"):
+        file.readinto(8, memoryview(dest)[: size + 42])
+    with pytest.raises(ValueError):
+        file.readinto_hashed(51, memoryview(dest)[:size], 4096)  # past the object's end
+    late = ObjectFile(fd, OFFSET, size, time.monotonic() - 0.001)
+    with pytest.raises(DeadlineExceeded, match="at object byte 7"):
+        late.readinto_hashed(7, memoryview(dest)[:100], 4096)
+
+
+def _counted_during(call: Callable[[], object]) -> float:
+    """The share of ``call``'s time in which another Python thread went on counting (at
+    its pace while this thread sleeps). A call that holds the GIL shuts it out except for
+    a switch interval or so."""
+    counted = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        before, started = counted[0], time.perf_counter()
+        time.sleep(0.05)
+        rate = (counted[0] - before) / (time.perf_counter() - started)
+        before, started = counted[0], time.perf_counter()
+        call()
+        took = time.perf_counter() - started
+        during = counted[0] - before
+    finally:
+        stop.set()
+        thread.join()
+    return during / (rate * took)
+
+
+def test_the_native_loop_runs_without_the_gil(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another Python thread keeps counting while one native call reads (or copies) 64 MiB;
+    a call that held the GIL would stop it for the whole call."""
+    if not fast_io.AVAILABLE:
+        pytest.skip(fast_io.reader())
+    monkeypatch.setattr(fast_io, "NATIVE", True)
+    data = os.urandom(64 << 20)
+    path = tmp_path / "big"
+    path.write_bytes(data)
+    dest = bytearray(len(data))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # a GIL-holding call lets the counter in briefly only
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        share = _counted_during(
+            lambda: fast_io.pread_hash_into(fd, 0, memoryview(dest), 256 << 10, LATER)
+        )
+        assert share > 0.1, share
+        share = _counted_during(lambda: fast_io.copy_hash_into(data, memoryview(dest), 256 << 10))
+        assert share > 0.1, share
+        # The measure tells them apart: a copy that holds the GIL is shut out.
+        held = _counted_during(lambda: dest.__setitem__(slice(None), data))
+        assert held < 0.1, held
+    finally:
+        sys.setswitchinterval(switch)
+        os.close(fd)
