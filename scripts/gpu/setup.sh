@@ -18,6 +18,10 @@ if ! PYTHONPATH=/root/site python3 -c "import xxhash" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/wheels/xxhash-*.whl
 fi
 rm -rf /root/proj
+# Also builds the optional C extension vllm_draft_offload._fastread (setup.py) where gcc and
+# Python's headers are present; without them pip only warns (hidden by -q), so say which
+# reader storage fetches will use.
 PYTHONPATH=/root/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /root/proj .
 PYTHONPATH=/root/proj:/root/site python3 -c "import torch, vllm, lmcache, vllm_draft_offload.unit_codec; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpu', torch.cuda.get_device_name())"
+PYTHONPATH=/root/proj:/root/site python3 -c "import vllm_draft_offload.fast_io as f; print('native io', f.NATIVE, '-', f.reader())"
 PYTHONPATH=/root/proj:/root/site /root/proj/bin/vllm-draft-offload --version
