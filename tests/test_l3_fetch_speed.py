@@ -29,6 +29,7 @@ def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
     assert set(report["fetch_vs_raw"]) == {"cold", "warm", "warm_into_memory"}
     assert all(set(ratios) == {"1", "2"} for ratios in report["fetch_vs_raw"].values())
     assert report["cold_method"] == "fadvise_dontneed"
+    assert report["fetch_reader"].split()[0] in ("native", "python")
     raw = report["raw"]
     assert raw["directory"] == str(tmp_path / "l3")
     assert raw["write_GBps"] > 0 and raw["bytes"] > 0

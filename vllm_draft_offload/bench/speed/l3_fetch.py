@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from vllm_draft_offload import fast_io
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.bench.speed.disk_baseline import evict, measure
 from vllm_draft_offload.l3_store import L3Store
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "url": args.url,
         "unit_bytes": unit_bytes,
         "units": args.units,
+        "fetch_reader": fast_io.reader(),  # native or Python read-and-hash loop
         **{f"fetch_GBps{path}": fetch[path] for path in paths},
         **{f"first_unit_s{path}": first[path] for path in paths},
         "cold_method": cold_method,
