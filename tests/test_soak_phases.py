@@ -311,3 +311,20 @@ def test_the_lease_scripts_soak_order_stores_phase_parses() -> None:
     assert m, "no soak-order-stores phase in lease.sh"
     args = soak.parse_args(shlex.split(m.group(1).replace("\\\n", " "))[2:])
     assert args.idle_off == ("load",) and args.baseline_seconds == 0 and args.idle_seconds == 90
+
+
+def test_the_lease_scripts_soak_null_phase_runs_the_null_connector_after_a_baseline() -> None:
+    text = LEASE.read_text()
+    m = re.search(r'\[soak-null\]="([^"]*)"', text)
+    assert m, "no soak-null phase in lease.sh"
+    args = soak.parse_args(shlex.split(m.group(1).replace("\\\n", " "))[2:])
+    assert args.ours_connector == "null" and args.baseline_first and args.idle_seconds == 0
+    assert soak.parse_args(["--out", "/tmp/x"]).ours_connector == "draft_offload"
+
+
+def test_null_connector_run_says_so_in_the_phase_table() -> None:
+    data = _data()
+    data["ours_connector"] = "null"
+    text = "\n".join(ph.phase_markdown(ph.phase_summary(data)))
+    assert "NullConnector" in text
+    assert "NullConnector" not in "\n".join(ph.phase_markdown(ph.phase_summary(_data())))

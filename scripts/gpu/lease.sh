@@ -100,6 +100,12 @@
 #   soak-alt1 / soak-alt2  soak-order shortened (baseline 75 s, ours 165 s, its first 60 s
 #             idle, 4 replays; about 8 and 7 min): run back to back, baseline, ours,
 #             baseline, ours on one machine: /root/soak-alt1, /root/soak-alt2
+#   soak-null  the soak's connector engine on NullConnector (vLLM's connector plumbing
+#             alone) after a no-connector baseline (60 s, then 105 s; about 7 min): whether
+#             the idle connector's 9-13 % (session 21) is vLLM's or ours: /root/soak-null
+#   l3-native  l3-stages with the native and the Python reader side by side (native
+#             pieces 128 KiB, 256 KiB, 1 MiB), 8 and 16 threads, quiet and beside a 0.5 ms
+#             engine loop (about 4 min, estimated): /root/l3_stages_native_t{8,16}.json
 #   decode-8b-dma12  decode-8b-dma with a 12 GiB CPU tier (341 slots): whether the
 #             365-376 ms wait_for_save stalls follow the slots or the batch count
 #   soak-order-stores  soak-order with the idle phase storing and never restoring
@@ -276,6 +282,12 @@ declare -A CMD=(
     --faults disk_full,outage,corrupt --fault-period 60 --baseline-seconds 90"
   [soak-order]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-order --no-faults \
     --baseline-first --baseline-seconds 90 --seconds 210 --idle-seconds 90 --replay-n 8"
+  [soak-null]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-null --no-faults \
+    --baseline-first --baseline-seconds 60 --seconds 105 --ours-connector null --replay-n 4"
+  [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
+      --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \
+      --reader native,python --native-piece-kib 128,256,1024 \
+      --out /root/l3_stages_native_t\$t.json; rm -rf /root/l3-stages; done"
   [soak-alt1]="$(soak_alt_cmd 1)"
   [soak-alt2]="$(soak_alt_cmd 2)"
   [soak-order-stores]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-order-stores \
@@ -321,7 +333,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|soak-null|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -380,7 +392,7 @@ collect)
   cp /root/restore_speed_*.json /root/l3_stages*.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
   for d in copy copy-table; do [ -d "/root/$d" ] && cp -r "/root/$d" "$C"/; done
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
-  for d in soak-order soak-order-stores soak-alt1 soak-alt2; do
+  for d in soak-order soak-order-stores soak-alt1 soak-alt2 soak-null; do
     [ -f "/root/$d/soak.md" ] && mkdir -p "$C/$d" &&
       cp "/root/$d/soak.json" "/root/$d/soak.md" "/root/$d/soak.png" "$C/$d"/
   done

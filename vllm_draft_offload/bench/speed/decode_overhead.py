@@ -182,11 +182,7 @@ def connector_config(
     if config == "null":
         from vllm_draft_offload.bench.speed import null_connector
 
-        return {
-            "kv_connector": null_connector.NAME,
-            "kv_connector_module_path": null_connector.MODULE,
-            "kv_role": "kv_both",
-        }
+        return null_connector.transfer_config()
     if config == "native":
         return native_offloading_config(int(cpu_gib * 2**30))
     extra: dict[str, Any] = {

@@ -30,6 +30,11 @@ MODULE = __name__
 NAME = "NullConnector"
 
 
+def transfer_config() -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for an engine with this connector."""
+    return {"kv_connector": NAME, "kv_connector_module_path": MODULE, "kv_role": "kv_both"}
+
+
 class NullConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None

@@ -253,6 +253,7 @@ def phase_summary(data: dict[str, Any]) -> dict[str, Any]:
         "idle_seconds": float(data.get("idle_seconds") or 0.0),
         "idle_off": list(data.get("idle_off") or TRANSFERS),
         "engine_order": order,
+        "ours_connector": data.get("ours_connector") or "draft_offload",
         "figures": figures,
         "vs_baseline": vs,
         # one engine's two phases: what the connector's work costs with the engine's
@@ -281,6 +282,16 @@ def idle_note(p: dict[str, Any]) -> str:
     return f"Ours idle (requests sent `{off}`) for its first {p['idle_seconds']:.0f} s."
 
 
+def null_note(p: dict[str, Any]) -> str:
+    """soak --ours-connector null: the connector engine's figures are vLLM's plumbing's."""
+    if p.get("ours_connector") != "null":
+        return ""
+    return (
+        " The connector engine ran `NullConnector` (every hook returns at once): its rows"
+        " are what vLLM's connector plumbing costs, not ours."
+    )
+
+
 def phase_markdown(p: dict[str, Any]) -> list[str]:
     """soak.md's phase table: each window's figures, ratios to the baseline's."""
     if not p["figures"]:
@@ -291,7 +302,7 @@ def phase_markdown(p: dict[str, Any]) -> list[str]:
         "",
         f"Engine order: {' → '.join(p['engine_order'])}. Windows by request end, seconds "
         f"since the engine's load started, {p['margin_s']:.0f} s skipped after each start "
-        "and after the switch; (×) = ratio to the baseline's. " + idle_note(p),
+        "and after the switch; (×) = ratio to the baseline's. " + idle_note(p) + null_note(p),
         "",
         "| phase | window (s) | requests (idle) | output tok/s (×) | ms / output token (×) "
         "| ms / spec step (×) | AL | engine steps | ms / engine step (×) | drafts / step "

@@ -134,6 +134,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "load alone: the idle phase stores and never restores)",
     )
     ap.add_argument(
+        "--ours-connector",
+        choices=("draft_offload", "null"),
+        default="draft_offload",
+        help="null: the connector engine runs a connector whose every hook returns at once "
+        "(vLLM's connector plumbing alone), to tell its cost from ours; it stores and "
+        "restores nothing, so its hit and acceptance figures are empty",
+    )
+    ap.add_argument(
         "--baseline-first",
         action="store_true",
         help="run the no-connector baseline before ours (the replay then on its own engine)",
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle_off": list(args.idle_off),
         "phase_margin_s": args.phase_margin,
         "baseline_first": args.baseline_first,
+        "ours_connector": args.ours_connector,
         "engine_order": order if base_s > 0 else ["ours", "replay"],
         "near_tie_nats": NEAR_TIE_NATS if args.near_tie_nats is None else args.near_tie_nats,
         "load": load.to_dict(),
@@ -320,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
                 "ours_disk", shape, cpu_bytes=cpu_bytes, l3_url=url, staging_mb=64 if dry else 512
             ),
         }
+        if args.ours_connector == "null":
+            from vllm_draft_offload.bench.speed import null_connector
+
+            job["engine_kwargs"]["kv_transfer_config"] = null_connector.transfer_config()
         data["runs"]["ours"] = run_job(job, "ours", out, env, args.engine_timeout)
         waiter.join(1)
         data["faults"] = injector.stop() if injector.is_alive() or injector.events else []
