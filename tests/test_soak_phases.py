@@ -328,3 +328,34 @@ def test_null_connector_run_says_so_in_the_phase_table() -> None:
     text = "\n".join(ph.phase_markdown(ph.phase_summary(data)))
     assert "NullConnector" in text
     assert "NullConnector" not in "\n".join(ph.phase_markdown(ph.phase_summary(_data())))
+
+
+def test_the_lease_scripts_soak_switch_phase_keeps_pythons_switch_interval() -> None:
+    """soak-switch sends l3.switch_interval_ms null to the connector engine."""
+    from vllm_draft_offload.bench.stress.jobs import EngineShape, build_kwargs
+    from vllm_draft_offload.bench.workloads.specs import Drafter
+
+    text = LEASE.read_text()
+    m = re.search(r'\[soak-switch\]="([^"]*)"', text)
+    assert m, "no soak-switch phase in lease.sh"
+    args = soak.parse_args(shlex.split(m.group(1).replace("\\\n", " "))[2:])
+    assert args.l3_switch_interval_ms == "none" and args.baseline_first
+    shape = EngineShape(
+        model="/m",
+        drafter=Drafter("eagle3", "/d"),
+        block_size=16,
+        chunk_size=256,
+        num_spec_tokens=3,
+        dtype="bfloat16",
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=64,
+        max_num_batched_tokens=None,
+        max_model_len=4096,
+        gpu_blocks=100,
+    )
+    l3 = {}
+    for value, wanted in (("none", None), ("2.5", 2.5), (None, "absent")):
+        kw = build_kwargs("ours_disk", shape, l3_url="fs:///tmp/x", l3_switch_interval_ms=value)
+        l3 = kw["kv_transfer_config"]["kv_connector_extra_config"]["l3"]
+        assert l3.get("switch_interval_ms", "absent") == wanted

@@ -23,5 +23,10 @@ rm -rf /root/proj
 # reader storage fetches will use.
 PYTHONPATH=/root/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /root/proj .
 PYTHONPATH=/root/proj:/root/site python3 -c "import torch, vllm, lmcache, vllm_draft_offload.unit_codec; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpu', torch.cuda.get_device_name())"
-PYTHONPATH=/root/proj:/root/site python3 -c "import vllm_draft_offload.fast_io as f; print('native io', f.NATIVE, '-', f.reader())"
+# Also in the checkout: phases run from it, and `python3 -m` (the benchmarks' engine
+# workers) puts it first on sys.path, ahead of /root/proj.
+PYTHONPATH=/root/site python3 setup.py -q build_ext --inplace 2>&1 | tail -n 3 || true
+# from / : python3 -c puts the working directory first on sys.path, and the checkout's
+# package there has no built extension (session 21 printed False while /root/proj had it)
+(cd / && PYTHONPATH=/root/proj:/root/site python3 -c "import vllm_draft_offload.fast_io as f; print('native io', f.NATIVE, '-', f.reader())")
 PYTHONPATH=/root/proj:/root/site /root/proj/bin/vllm-draft-offload --version

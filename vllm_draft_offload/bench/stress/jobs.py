@@ -64,6 +64,7 @@ def build_kwargs(
     staging_mb: int = 256,
     l3_timeout_s: float = 2.0,
     l3_hit_policy: str | None = None,
+    l3_switch_interval_ms: float | str | None = None,
 ) -> dict[str, Any]:
     """``vllm.LLM`` kwargs of ``none`` | ``gpu_prefix`` | ``ours_cpu`` | ``ours_disk``."""
     sizes = with_overrides(
@@ -96,6 +97,10 @@ def build_kwargs(
         extra["l3"] = {"enabled": True, "timeout_s": l3_timeout_s}
         if l3_hit_policy is not None:  # else the connector's default (cost)
             extra["l3"]["hit_policy"] = l3_hit_policy
+        if l3_switch_interval_ms is not None:  # "none": leave Python's own interval
+            extra["l3"]["switch_interval_ms"] = (
+                None if l3_switch_interval_ms == "none" else float(l3_switch_interval_ms)
+            )
     return kw
 
 

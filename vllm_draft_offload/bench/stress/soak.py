@@ -134,6 +134,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "load alone: the idle phase stores and never restores)",
     )
     ap.add_argument(
+        "--l3-switch-interval-ms",
+        help="the connector's l3.switch_interval_ms (a number, or none: Python's 5 ms "
+        "stays); default the connector's",
+    )
+    ap.add_argument(
         "--ours-connector",
         choices=("draft_offload", "null"),
         default="draft_offload",
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "phase_margin_s": args.phase_margin,
         "baseline_first": args.baseline_first,
         "ours_connector": args.ours_connector,
+        "l3_switch_interval_ms": args.l3_switch_interval_ms,
         "engine_order": order if base_s > 0 else ["ours", "replay"],
         "near_tie_nats": NEAR_TIE_NATS if args.near_tie_nats is None else args.near_tie_nats,
         "load": load.to_dict(),
@@ -326,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             "replay_n": args.replay_n or (8 if dry else 64),
             "replay_every": 3 if dry else 25,
             "engine_kwargs": build_kwargs(
-                "ours_disk", shape, cpu_bytes=cpu_bytes, l3_url=url, staging_mb=64 if dry else 512
+                "ours_disk",
+                shape,
+                cpu_bytes=cpu_bytes,
+                l3_url=url,
+                staging_mb=64 if dry else 512,
+                l3_switch_interval_ms=args.l3_switch_interval_ms,
             ),
         }
         if args.ours_connector == "null":
