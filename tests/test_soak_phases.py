@@ -118,6 +118,7 @@ def test_faults_fall_in_the_active_phase_only() -> None:
         (["--phase-margin", "-1"], "--phase-margin"),
         (["--idle-off", "store,copy"], "--idle-off"),
         (["--idle-off", ""], "--idle-off"),
+        (["--l3-switch-interval-ms", "fast"], "--l3-switch-interval-ms"),
     ],
 )
 def test_soak_refuses_bad_phase_flags_by_name(
@@ -355,7 +356,7 @@ def test_the_lease_scripts_soak_switch_phase_keeps_pythons_switch_interval() -> 
         gpu_blocks=100,
     )
     l3 = {}
-    for value, wanted in (("none", None), ("2.5", 2.5), (None, "absent")):
+    for value, wanted in (("none", None), (2.5, 2.5), (None, "absent")):
         kw = build_kwargs("ours_disk", shape, l3_url="fs:///tmp/x", l3_switch_interval_ms=value)
         l3 = kw["kv_transfer_config"]["kv_connector_extra_config"]["l3"]
         assert l3.get("switch_interval_ms", "absent") == wanted

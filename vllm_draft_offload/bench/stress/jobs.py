@@ -99,7 +99,7 @@ def build_kwargs(
             extra["l3"]["hit_policy"] = l3_hit_policy
         if l3_switch_interval_ms is not None:  # "none": leave Python's own interval
             extra["l3"]["switch_interval_ms"] = (
-                None if l3_switch_interval_ms == "none" else float(l3_switch_interval_ms)
+                None if l3_switch_interval_ms == "none" else l3_switch_interval_ms
             )
     return kw
 

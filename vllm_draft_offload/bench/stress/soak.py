@@ -93,6 +93,16 @@ EXAMPLES = """examples:
 """
 
 
+def _switch_interval_ms(text: str) -> float | str:
+    """``--l3-switch-interval-ms``: a number of ms, or ``none`` (Python's own interval)."""
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of ms nor none") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = command_parser("soak", __doc__, EXAMPLES)
     ap.add_argument("--fixtures", help="fixture dir from `vllm-draft-offload fixtures`")
@@ -135,6 +145,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--l3-switch-interval-ms",
+        type=_switch_interval_ms,
         help="the connector's l3.switch_interval_ms (a number, or none: Python's 5 ms "
         "stays); default the connector's",
     )
