@@ -15,7 +15,6 @@ import heapq
 import itertools
 import logging
 import queue
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +31,7 @@ from vllm_draft_offload.l3_residency import Presence, first_round_residency
 from vllm_draft_offload.l3_store import L3Store
 from vllm_draft_offload.metadata import FETCH_CANCELLED, L3WriteOrder
 from vllm_draft_offload.run_pool import RunPool
+from vllm_draft_offload.switch_interval import WaitingSwitchInterval
 from vllm_draft_offload.transfers import HostPool
 from vllm_draft_offload.unit_codec import LayerSpec, UnitIdentity, UnitRejected, unit_frame
 from vllm_draft_offload.unit_fetch import NATIVE_PIECE_BYTES, PIECE_BYTES, fetch_unit_into
@@ -108,20 +108,6 @@ class FetchResult:
     since_queued: float = 0.0
 
 
-def lower_switch_interval(seconds: float) -> None:
-    """Make threads waiting for the GIL get it within `seconds` (never later than
-    now): the read and write threads take it back after every read and checksum call,
-    and each take can otherwise wait out a whole switch interval of the engine's Python
-    (on a 2-core box, with 5 ms Python bursts: fetches at 4.5 GB/s against 2.1–2.6)."""
-    if seconds < sys.getswitchinterval():
-        logger.info(
-            "DraftOffloadConnector: GIL switch interval %.2f -> %.2f ms for the storage tier",
-            sys.getswitchinterval() * 1000,
-            seconds * 1000,
-        )
-        sys.setswitchinterval(seconds)
-
-
 class WorkerL3:
     """Worker-side L3 traffic, on background threads."""
 
@@ -143,8 +129,9 @@ class WorkerL3:
             LayerSpec(slot.name, slot.is_draft, slot.nbytes) for slot in layout.layers
         )
         self.store = open_store(config, layout.unit_bytes)
-        if config.switch_interval_ms is not None:
-            lower_switch_interval(config.switch_interval_ms / 1000)
+        # Lowered only while a request waits on storage (set_reads_waiting).
+        low_ms = config.switch_interval_ms
+        self.switch_interval = WaitingSwitchInterval(None if low_ms is None else low_ms / 1000)
         # Bytes a fetch reads (and hashes) at a time, by the Python reader and by the
         # native one (unit_fetch; benchmarks vary them).
         self.fetch_piece_bytes = PIECE_BYTES
@@ -272,6 +259,13 @@ class WorkerL3:
     def _give_up(self, write_id: int) -> None:
         self.write_reports.put(("released", write_id))
         self.write_reports.put(("failed", write_id))
+
+    def set_reads_waiting(self, waiting: bool) -> None:
+        """Whether some request waits on a storage lookup or fetch now (the scheduler
+        says so with every step): writes are held back and the GIL switch interval is
+        lowered while one does, so that the reads it waits on run first and promptly."""
+        self.hold_writes(waiting)
+        self.switch_interval.set_waiting(waiting)
 
     def hold_writes(self, hold: bool) -> None:
         """While `hold` (a request waits on storage: the scheduler says so with every
@@ -466,7 +460,7 @@ class WorkerL3:
         self._read_pool.shutdown(wait=True, cancel_futures=True)
         if self._spread_pool is not None:
             self._spread_pool.shutdown()  # after the reads that submit to it
-        self.hold_writes(False)  # no request waits any more: flush at full speed
+        self.set_reads_waiting(False)  # no request waits any more: flush at full speed
         if not self.flush(timeout):
             with self._write_cv:
                 lost = len(self._queued) + self._writes_in_flight

@@ -121,7 +121,8 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # their KV may be wrong, so it never reaches storage.
     l3_abort_jobs: list[int] = field(default_factory=list)
     # Some request waits on a storage lookup or fetch: workers hold write-behind to
-    # one unit at a time meanwhile (WorkerL3.hold_writes).
+    # one unit at a time and lower the GIL switch interval meanwhile
+    # (WorkerL3.set_reads_waiting).
     l3_reads_waiting: bool = False
     # Overlapped loads the scheduler gave up waiting on (their fetches too slow, or the
     # request aborted): units not landed yet are reported as load errors, not awaited.

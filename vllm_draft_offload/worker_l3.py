@@ -40,8 +40,8 @@ class L3Link:
         self._unseen: list[FetchResult] = []
 
     def apply_verdicts(self, meta: DraftOffloadMetadata) -> None:
-        """This step's write announcements, cancels, and commit/abort verdicts."""
-        self.l3.hold_writes(meta.l3_reads_waiting)
+        """This step's write announcements, cancels, and commit/abort verdicts (the
+        step's hold on writes came with its loads: WorkerL3.set_reads_waiting)."""
         # Announce this step's writes before its cancels, which may name them.
         for job in meta.stores:
             if job.l3_units:

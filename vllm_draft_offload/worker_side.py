@@ -240,8 +240,11 @@ class DraftOffloadWorker:
 
     def start_load_kv(self, meta: DraftOffloadMetadata) -> None:
         self._failed_load_reqs, self._failed_load_jobs = set(), set()
-        if meta.cancel_fetches and self.l3 is not None:
-            self.l3.cancel_fetches(meta.cancel_fetches)
+        if self.l3 is not None:
+            # Before this step's fetches start, so they run at the lowered interval.
+            self.l3.set_reads_waiting(meta.l3_reads_waiting or bool(meta.fetches))
+            if meta.cancel_fetches:
+                self.l3.cancel_fetches(meta.cancel_fetches)
         for fetch in meta.fetches:
             if self.l3 is None:
                 self._worker_meta.failed_jobs[fetch.job_id] = 1
