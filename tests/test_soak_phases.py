@@ -314,6 +314,16 @@ def test_the_lease_scripts_soak_order_stores_phase_parses() -> None:
     assert args.idle_off == ("load",) and args.baseline_seconds == 0 and args.idle_seconds == 90
 
 
+def test_the_lease_scripts_soak_final_phase_is_issue_10s_soak() -> None:
+    """Ten minutes with all three faults, an idle phase and the baseline first."""
+    m = re.search(r'\[soak-final\]="([^"]*)"', LEASE.read_text())
+    assert m, "no soak-final phase in lease.sh"
+    args = soak.parse_args(shlex.split(m.group(1).replace("\\\n", " "))[2:])
+    assert args.seconds == 600 and args.baseline_first and 0 < args.idle_seconds < 600
+    assert set(args.faults.split(",")) == {"disk_full", "outage", "corrupt"}
+    assert not args.no_faults
+
+
 def test_the_lease_scripts_soak_null_phase_runs_the_null_connector_after_a_baseline() -> None:
     text = LEASE.read_text()
     m = re.search(r'\[soak-null\]="([^"]*)"', text)
