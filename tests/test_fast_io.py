@@ -1,8 +1,9 @@
-"""fast_io: the native read-and-hash loop (``_fastread``) and its Python fallback land the
-same bytes and return python-xxhash's XXH3-128 digest of them, whatever the sizes and
-pieces; a file that ends early, a deadline already passed and a bad descriptor fail the
-same way on both, and through ``ObjectFile`` as the storage's errors. The native loop
-keeps the GIL released while it reads. Real files throughout.
+"""fast_io: the native read-and-hash loops (``_fastread``) and their Python fallbacks land
+the same bytes and return python-xxhash's XXH3-128 digests of them (the whole's, and each
+layer's for a write's copy), whatever the sizes, layers and pieces; a file that ends early,
+a deadline already passed, a bad descriptor and impossible arguments fail the same way on
+both, and through ``ObjectFile`` as the storage's errors. The native loops keep the GIL
+released while they read or copy. Reads are from real files.
 """
 
 from __future__ import annotations
@@ -57,6 +58,34 @@ def test_the_extension_is_built_where_a_compiler_is() -> None:
     assert fast_io.AVAILABLE, fast_io.reader()
     if os.environ.get(fast_io.ENV_VAR, "1") not in ("0", "false", "no", "off"):
         assert fast_io.NATIVE and fast_io.reader() == "native"
+
+
+def test_a_stale_extension_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension built from an older ``_fastread.c`` (an editable install not rebuilt
+    after an update) lacks the newer functions: the Python loops run, for fetches as well
+    as writes, and ``reader()`` says to rebuild it (every write would fail otherwise)."""
+    import importlib.util
+    import types
+
+    import vllm_draft_offload
+
+    old = types.ModuleType("vllm_draft_offload._fastread")
+    old.__file__ = "/old/_fastread.so"
+    old.pread_hash_into = old.copy_hash_into = lambda *args: b""  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    monkeypatch.setattr(vllm_draft_offload, "_fastread", old, raising=False)
+    monkeypatch.delenv(fast_io.ENV_VAR, raising=False)
+    spec = importlib.util.spec_from_file_location("fast_io_stale", fast_io.__file__)
+    assert spec is not None and spec.loader is not None
+    stale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stale)
+    assert not stale.AVAILABLE and not stale.NATIVE
+    assert stale.reader().startswith("python (_fastread stale: /old/_fastread.so has no ")
+    assert "copy_hash_layers_into" in stale.reader() and "rebuild" in stale.reader()
+    dest = bytearray(3)
+    assert stale.copy_hash_layers_into(b"abc", memoryview(dest), [1, 2], 2) == _layers_want(
+        b"abc", [1, 2]
+    )
 
 
 @pytest.mark.parametrize(("size", "piece"), SIZES_PIECES)
@@ -132,6 +161,91 @@ def test_impossible_arguments_are_refused(reader: str, data_file: tuple[int, byt
         fast_io.pread_hash_into(fd, 0, memoryview(bytes(10)), 64, LATER)
 
 
+def _layers_want(data: bytes, sizes: list[int]) -> tuple[bytes, list[bytes]]:
+    """python-xxhash's digests of ``data`` and of its layers of ``sizes`` bytes."""
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    starts = [end - size for end, size in zip(ends, sizes, strict=True)]
+    return xxhash.xxh3_128(data).digest(), [
+        xxhash.xxh3_128(data[start:end]).digest() for start, end in zip(starts, ends, strict=True)
+    ]
+
+
+# (layer sizes, piece sizes): empty layers (first, last, in a row, all), one-byte layers,
+# layers straddling pieces and ending on their boundaries, pieces larger than the payload.
+LAYOUTS = [
+    ([], [1, 64]),
+    ([0], [1, 64]),
+    ([0, 0, 0], [7]),
+    ([1], [1, 7]),
+    ([1] * 20, [1, 3, 20, 21, 4096]),
+    ([0, 5, 0, 0, 1, 0, 9, 0], [1, 2, 5, 6, 100]),
+    ([64, 64, 64], [32, 64, 100, 128, 192, 1 << 20]),
+    ([100, 300, 0, 64, 37], [1, 7, 64, 100, 501, 4096]),
+    ([1023, 1, 1025, 240, 0, 17], [16, 240, 1000 + 1, 4096]),
+    ([(1 << 19) + 7, 3, (1 << 19) - 3, 0], [4096, 256 << 10, 4 << 20]),
+]
+LAYOUTS_PIECES = [(sizes, piece) for sizes, pieces in LAYOUTS for piece in pieces]
+
+
+@pytest.mark.parametrize(("sizes", "piece"), LAYOUTS_PIECES)
+def test_layer_digests_are_python_xxhash_and_the_bytes_land_exact(
+    reader: str, data_file: tuple[int, bytes], sizes: list[int], piece: int
+) -> None:
+    _, data = data_file
+    data = data[: sum(sizes)]
+    dest = bytearray(b"\xaa" * (len(data) + 1))
+    got = fast_io.copy_hash_layers_into(data, memoryview(dest)[: len(data)], sizes, piece)
+    assert got == _layers_want(data, sizes)
+    assert dest[: len(data)] == data and dest[len(data)] == 0xAA
+    # The same whole digest as the single-digest copy.
+    assert got[0] == fast_io.copy_hash_into(data, memoryview(bytearray(len(data))), piece)
+
+
+def test_layer_copy_takes_any_buffers_of_bytes(reader: str, data_file: tuple[int, bytes]) -> None:
+    """A host slot's view of another format, layer sizes as any ints in any iterable."""
+    _, data = data_file
+    dest = memoryview(bytearray(4096)).cast("I")
+    sizes = (1000, 0, 3000, 96)
+    got = fast_io.copy_hash_layers_into(memoryview(data[:4096]).cast("Q"), dest, iter(sizes), 333)
+    assert got == _layers_want(data[:4096], list(sizes))
+    assert dest.tobytes() == data[:4096]
+
+
+@pytest.mark.parametrize(
+    ("src", "dest", "sizes", "piece", "match"),
+    [
+        (10, 10, [10], 0, r"piece_bytes must be > 0, not 0"),
+        (10, 10, [10], -5, r"piece_bytes must be > 0, not -5"),
+        (11, 10, [10], 4, r"src has 11 bytes, dest 10"),
+        (10, 10, [4, -1, 7], 4, r"layer_sizes\[1\] is negative"),
+        (10, 10, [-(1 << 70), 10], 4, r"layer_sizes\[0\] is negative"),
+        (10, 10, [4, 7], 4, r"layer_sizes add up to more than dest's 10 bytes \(at layer 1\)"),
+        (10, 10, [1 << 70], 4, r"layer_sizes add up to more than dest's 10 bytes \(at layer 0\)"),
+        (10, 10, [4, 5], 4, r"layer_sizes add up to 9 bytes, dest has 10"),
+        (10, 10, [], 4, r"layer_sizes add up to 0 bytes, dest has 10"),
+    ],
+)
+def test_impossible_layer_copies_are_refused_naming_why(
+    reader: str, src: int, dest: int, sizes: list[int], piece: int, match: str
+) -> None:
+    """The same ValueError from both loops, before anything is copied."""
+    out = bytearray(b"\xaa" * dest)
+    with pytest.raises(ValueError, match=match):
+        fast_io.copy_hash_layers_into(b"x" * src, memoryview(out), sizes, piece)
+    assert out == b"\xaa" * dest
+    if not match.startswith("layer_sizes"):  # the single-digest copy checks alike
+        with pytest.raises(ValueError, match=match):
+            fast_io.copy_hash_into(b"x" * src, memoryview(out), piece)
+
+
+def test_layer_sizes_must_be_ints(reader: str) -> None:
+    dest = memoryview(bytearray(10))
+    with pytest.raises(TypeError):
+        fast_io.copy_hash_layers_into(b"x" * 10, dest, [10.0], 4)
+    with pytest.raises(TypeError):
+        fast_io.copy_hash_layers_into(b"x" * 10, dest, 10, 4)
+
+
 def test_object_file_turns_them_into_storage_errors(
     reader: str, data_file: tuple[int, bytes]
 ) -> None:
@@ -201,6 +315,11 @@ def test_the_native_loop_runs_without_the_gil(
         )
         assert share > 0.1, share
         share = _counted_during(lambda: fast_io.copy_hash_into(data, memoryview(dest), 256 << 10))
+        assert share > 0.1, share
+        layers = [len(data) // 36] * 35 + [len(data) - 35 * (len(data) // 36)]
+        share = _counted_during(
+            lambda: fast_io.copy_hash_layers_into(data, memoryview(dest), layers, 256 << 10)
+        )
         assert share > 0.1, share
         # The measure tells them apart: a copy that holds the GIL is shut out.
         held = _counted_during(lambda: dest.__setitem__(slice(None), data))

@@ -1,20 +1,24 @@
 /*
  * Read (or copy) a stored unit's bytes into a caller's buffer and hash them with XXH3-128,
- * piece by piece, without the GIL: the native loop behind vllm_draft_offload.fast_io.
+ * piece by piece, without the GIL: the native loops behind vllm_draft_offload.fast_io, for
+ * fetches (pread_hash_into, copy_hash_into) and for writes (copy_hash_layers_into: a unit's
+ * payload copied into the storage's buffer, hashed whole and per layer on the way).
  *
  * Why native: the Python loop (fast_io's fallback) gives up the GIL and takes it back for
- * every read and every hash call. Beside vLLM's engine thread each take can wait out the
- * engine's Python, so its pieces must be large (4 MiB) to take the GIL few times; but with
- * several read threads a 4 MiB piece leaves the CPU cache before it is hashed, and the fetch
- * moves every byte through memory three times where a plain read moves it twice. Here the
- * whole loop runs inside one Py_BEGIN_ALLOW_THREADS, so the pieces can be as small as a
- * core's L2 holds: each is hashed right after it landed, while it is still in L2.
+ * every read (or copy) and every hash call. Beside vLLM's engine thread each take can wait
+ * out the engine's Python, so its pieces must be large (4 MiB) to take the GIL few times;
+ * but with several read threads a 4 MiB piece leaves the CPU cache before it is hashed, and
+ * the fetch moves every byte through memory three times where a plain read moves it twice.
+ * Here the whole loop runs inside one Py_BEGIN_ALLOW_THREADS, so the pieces can be as small
+ * as a core's L2 holds: each is hashed right after it landed, while it is still in L2.
  *
  * The digest is xxHash's canonical (big-endian) XXH3-128, the bytes of python-xxhash's
  * xxh3_128().digest(), from the vendored xxhash.h (and, on x86, its runtime dispatcher,
  * which picks SSE2/AVX2/AVX-512 as python-xxhash does).
  *
- * Errors, as exceptions the Python side translates (fast_io, l3_fs_reads.ObjectFile):
+ * Arguments that cannot be (a piece of 0 bytes, lengths or layer sizes that disagree)
+ * raise ValueError before the GIL is released. A read's errors, as exceptions the Python
+ * side translates (fast_io, l3_fs_reads.ObjectFile):
  *   EndOfFile(done)       the file ended after `done` bytes of the destination were filled;
  *   DeadlinePassed(done)  CLOCK_MONOTONIC (time.monotonic on Linux) passed the deadline
  *                         before the piece at `done`; checked before every piece, so
@@ -26,6 +30,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -131,6 +136,20 @@ static PyObject *pread_hash_into(PyObject *self, PyObject *args) {
     return canonical_digest(&state);
 }
 
+/* Sets a ValueError and returns 1 where a copy's arguments cannot be (fast_io's
+   _copy_arrays, with the same messages). */
+static int copy_args_error(const Py_buffer *src, const Py_buffer *dest,
+                           Py_ssize_t piece_bytes) {
+    if (piece_bytes <= 0)
+        PyErr_Format(PyExc_ValueError, "piece_bytes must be > 0, not %zd", piece_bytes);
+    else if (src->len != dest->len)
+        PyErr_Format(PyExc_ValueError, "src has %zd bytes, dest %zd: they must be as many",
+                     src->len, dest->len);
+    else
+        return 0;
+    return 1;
+}
+
 PyDoc_STRVAR(copy_hash_into_doc,
 "copy_hash_into(src, dest, piece_bytes) -> bytes\n\n"
 "Copy src into dest (of the same length), piece_bytes at a time, hashing each piece in\n"
@@ -142,10 +161,7 @@ static PyObject *copy_hash_into(PyObject *self, PyObject *args) {
     Py_ssize_t piece_bytes;
     if (!PyArg_ParseTuple(args, "y*w*n:copy_hash_into", &src, &dest, &piece_bytes))
         return NULL;
-    if (piece_bytes <= 0 || src.len != dest.len) {
-        PyErr_Format(PyExc_ValueError,
-                     "piece_bytes must be > 0 and src (%zd bytes) as long as dest (%zd)",
-                     src.len, dest.len);
+    if (copy_args_error(&src, &dest, piece_bytes)) {
         PyBuffer_Release(&src);
         PyBuffer_Release(&dest);
         return NULL;
@@ -167,16 +183,151 @@ static PyObject *copy_hash_into(PyObject *self, PyObject *args) {
     return canonical_digest(&state);
 }
 
+PyDoc_STRVAR(copy_hash_layers_into_doc,
+"copy_hash_layers_into(src, dest, layer_sizes, piece_bytes) -> (bytes, list[bytes])\n\n"
+"Copy src into dest (of the same length), piece_bytes at a time, hashing each piece in\n"
+"dest right after it was copied, for the whole and for each layer it overlaps (layers:\n"
+"back-to-back byte ranges of layer_sizes bytes, in order, covering dest); returns the\n"
+"16-byte XXH3-128 digests of the whole and of each layer. The GIL is released for the\n"
+"whole copy.");
+
+/* layer_sizes as the ends of the layers in dest (a PyMem array of *count, NULL for none),
+   each size checked to be >= 0 and the sizes to add up to nbytes (fast_io's
+   _layer_ends, with the same errors). */
+static int layer_ends_of(PyObject *layer_sizes, Py_ssize_t nbytes, Py_ssize_t **ends,
+                         Py_ssize_t *count) {
+    PyObject *seq = PySequence_Fast(layer_sizes, "layer_sizes must be an iterable of ints");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t *out = n > 0 ? PyMem_New(Py_ssize_t, n) : NULL;
+    if (n > 0 && out == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t end = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* An int out of range is clipped: too large or negative either way. */
+        Py_ssize_t size = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i), NULL);
+        if (size == -1 && PyErr_Occurred())
+            goto fail;
+        if (size < 0) {
+            PyErr_Format(PyExc_ValueError, "layer_sizes[%zd] is negative", i);
+            goto fail;
+        }
+        if (size > nbytes - end) {
+            PyErr_Format(PyExc_ValueError,
+                         "layer_sizes add up to more than dest's %zd bytes (at layer %zd)",
+                         nbytes, i);
+            goto fail;
+        }
+        end += size;
+        out[i] = end;
+    }
+    if (end != nbytes) {
+        PyErr_Format(PyExc_ValueError, "layer_sizes add up to %zd bytes, dest has %zd", end,
+                     nbytes);
+        goto fail;
+    }
+    Py_DECREF(seq);
+    *ends = out;
+    *count = n;
+    return 0;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(out);
+    return -1;
+}
+
+/* The result of copy_hash_layers_into: (whole digest, [layer digests]). */
+static PyObject *layer_digests_result(XXH3_state_t *whole, XXH3_state_t *layers,
+                                      Py_ssize_t count) {
+    PyObject *digests = PyList_New(count);
+    if (digests == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *digest = canonical_digest(&layers[i]);
+        if (digest == NULL) {
+            Py_DECREF(digests);
+            return NULL;
+        }
+        PyList_SET_ITEM(digests, i, digest);
+    }
+    PyObject *whole_digest = canonical_digest(whole);
+    if (whole_digest == NULL) {
+        Py_DECREF(digests);
+        return NULL;
+    }
+    PyObject *result = PyTuple_Pack(2, whole_digest, digests);
+    Py_DECREF(whole_digest);
+    Py_DECREF(digests);
+    return result;
+}
+
+static PyObject *copy_hash_layers_into(PyObject *self, PyObject *args) {
+    Py_buffer src, dest;
+    PyObject *layer_sizes;
+    Py_ssize_t piece_bytes;
+    if (!PyArg_ParseTuple(args, "y*w*On:copy_hash_layers_into", &src, &dest, &layer_sizes,
+                          &piece_bytes))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t *ends = NULL, count = 0;
+    XXH3_state_t whole, *layers = NULL;
+    if (copy_args_error(&src, &dest, piece_bytes)) {
+        /* its ValueError is set */
+    } else if (layer_ends_of(layer_sizes, dest.len, &ends, &count) < 0) {
+        /* its ValueError (or TypeError) is set */
+    } else if (count > 0 &&
+               /* XXH3_state_t must be 64-byte aligned (its size is a multiple of 64) */
+               posix_memalign((void **)&layers, 64, (size_t)count * sizeof(*layers)) != 0) {
+        layers = NULL;
+        PyErr_NoMemory();
+    } else {
+        XXH3_128bits_reset(&whole);
+        for (Py_ssize_t i = 0; i < count; i++)
+            XXH3_128bits_reset(&layers[i]);
+        const char *in = src.buf;
+        char *out = dest.buf;
+        Py_ssize_t nbytes = dest.len;
+        Py_BEGIN_ALLOW_THREADS
+        Py_ssize_t layer = 0; /* the first layer not yet wholly hashed */
+        for (Py_ssize_t done = 0, end; done < nbytes; done = end) {
+            end = nbytes - done < piece_bytes ? nbytes : done + piece_bytes;
+            memcpy(out + done, in + done, (size_t)(end - done));
+            XXH3_128bits_update(&whole, out + done, (size_t)(end - done));
+            /* Each layer the piece overlaps takes its part. Empty layers are passed over
+               (their digest is the empty input's); the last layer ends at nbytes, so one
+               ends past `at`. */
+            for (Py_ssize_t at = done, stop; at < end; at = stop) {
+                while (ends[layer] <= at)
+                    layer++;
+                stop = ends[layer] < end ? ends[layer] : end;
+                XXH3_128bits_update(&layers[layer], out + at, (size_t)(stop - at));
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = layer_digests_result(&whole, layers, count);
+    }
+    free(layers);
+    PyMem_Free(ends);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dest);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pread_hash_into", pread_hash_into, METH_VARARGS, pread_hash_into_doc},
     {"copy_hash_into", copy_hash_into, METH_VARARGS, copy_hash_into_doc},
+    {"copy_hash_layers_into", copy_hash_layers_into, METH_VARARGS, copy_hash_layers_into_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "vllm_draft_offload._fastread",
-    .m_doc = "GIL-free read-and-hash loops of unit fetches (see fast_io).",
+    .m_doc = "GIL-free copy-and-hash loops of unit fetches and writes (see fast_io).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -1,51 +1,76 @@
 """Reading (or copying) a unit's bytes into its destination and hashing them on the way, in
 one call: natively without the GIL when the C extension ``_fastread`` was built, else in
-Python.
+Python. Fetches and writes both go through here.
 
 A fetch lands each piece of a unit in its destination and hashes it right after, while it
-is still in the CPU cache (unit_fetch). In Python every read and every hash call gives up
-the GIL and takes it back; beside vLLM's engine thread, which steps while a request waits
-on storage, each take can wait out the engine's Python, so the Python loop's pieces are
-large (4 MiB) to take it few times. But on many threads a 4 MiB piece has left the cache
-before it is hashed: on an H100 host, warm, the fetch moved each byte through memory three
-times where a plain read moves it twice, and reached 0.58-0.65 × the raw read on 8-16
-threads (0.47-0.50 beside a busy engine thread). ``_fastread`` runs the whole loop, every
-piece's ``pread`` (or ``memcpy``) and hash, inside one release of the GIL, so its pieces
-can be as small as a core's L2 holds (the caller picks: unit_fetch) at no GIL cost.
+is still in the CPU cache (unit_fetch). In Python every read (or copy) and every hash call
+gives up the GIL and takes it back; beside vLLM's engine thread, which steps while a
+request waits on storage, each take can wait out the engine's Python, so the Python loop's
+pieces are large (4 MiB) to take it few times. But on many threads a 4 MiB piece has left
+the cache before it is hashed: on an H100 host, warm, the fetch moved each byte through
+memory three times where a plain read moves it twice, and reached 0.58-0.65 × the raw read
+on 8-16 threads (0.47-0.50 beside a busy engine thread). ``_fastread`` runs the whole loop,
+every piece's ``pread`` (or ``memcpy``) and hash, inside one release of the GIL, so its
+pieces can be as small as a core's L2 holds (the caller picks: unit_fetch, unit_write) at
+no GIL cost.
 
-Both readers have the same signatures and results: the digest is the canonical XXH3-128
-digest of the destination (``xxhash.xxh3_128(dest).digest()``, ``unit_codec.checksum`` in
-hex), a file that ends early raises ``EndOfFile(bytes filled)``, a deadline
-(``time.monotonic``) passed before a piece raises ``DeadlinePassed(bytes filled)``, and
-nothing is written after either, and any other failed read raises ``OSError``.
-``l3_fs_reads.ObjectFile`` turns the first two into its storage errors.
+A write (unit_write) copies a unit's payload from its host slot into the storage's buffer
+with ``copy_hash_layers_into``: each piece, right after it was copied, is hashed for the
+payload's digest and for the digest of every layer it overlaps. Natively a write gives up
+the GIL once; the Python loop gives it up and takes it back for every piece's copy and
+for each of its hash calls.
 
-``NATIVE`` says which reader runs; it is read at every call, so tests and the ``l3-stages``
-benchmark can switch it. Setting ``VLLM_DRAFT_OFFLOAD_NATIVE_IO=0`` in the environment
-before the process imports this module keeps the Python reader (for comparison, or as an
-escape hatch should the native loop misbehave on some host).
+Both loops have the same signatures and results: a digest is the canonical XXH3-128 digest
+of its bytes (``xxhash.xxh3_128(dest).digest()``, ``unit_codec.checksum`` in hex; a layer's
+of its range of ``dest``), arguments that cannot be (a piece of 0 bytes, lengths or layer
+sizes that disagree) raise the same ``ValueError``, a file that ends early raises
+``EndOfFile(bytes filled)``, a deadline (``time.monotonic``) passed before a piece raises
+``DeadlinePassed(bytes filled)``, and nothing is written after either, and any other
+failed read raises ``OSError``. ``l3_fs_reads.ObjectFile`` turns the read errors into its
+storage errors.
+
+``NATIVE`` says which loop runs (the "reader", for fetches and writes alike); it is read at
+every call, so tests and the ``l3-stages`` benchmark can switch it. Setting
+``VLLM_DRAFT_OFFLOAD_NATIVE_IO=0`` in the environment before the process imports this
+module keeps the Python loop (for comparison, or as an escape hatch should the native loop
+misbehave on some host). An extension built from an older ``_fastread.c``, without every
+function called here, is not used at all (``reader()`` says to rebuild it).
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import time
+from collections.abc import Iterable, Iterator
 from typing import Final
 
 import numpy as np
 
 from vllm_draft_offload.unit_codec import Buffer, payload_hasher
 
+# The extension's functions this module calls. One built from an older _fastread.c (an
+# editable install not rebuilt after an update) lacks some; it is then not used at all,
+# rather than failing every call to a missing function.
+_FUNCTIONS: Final = ("pread_hash_into", "copy_hash_into", "copy_hash_layers_into")
+
 try:
     from vllm_draft_offload import _fastread
 except ImportError as exc:  # not built: no C compiler or no Python headers at install time
     _fastread = None
-    _MISSING: str | None = str(exc)
+    _MISSING: str | None = f"not built: {exc}"
 else:
     _MISSING = None
+    if _lacks := [name for name in _FUNCTIONS if not hasattr(_fastread, name)]:
+        _MISSING = (
+            f"stale: {_fastread.__file__} has no {', '.join(_lacks)}; rebuild it "
+            "(pip install -e ., or python setup.py build_ext --inplace)"
+        )
+        _fastread = None
 
 ENV_VAR: Final = "VLLM_DRAFT_OFFLOAD_NATIVE_IO"
-# The extension could be imported (whether or not it is used).
+# The extension could be imported and has every function called here (whether or not it
+# is used).
 AVAILABLE: Final = _fastread is not None
 _DISABLED: Final = os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
 NATIVE: bool = AVAILABLE and not _DISABLED
@@ -69,7 +94,7 @@ def reader() -> str:
     if NATIVE:
         return "native"
     if not AVAILABLE:
-        return f"python (_fastread not built: {_MISSING})"
+        return f"python (_fastread {_MISSING})"
     if _DISABLED:
         return f"python ({ENV_VAR}={os.environ.get(ENV_VAR)})"
     return "python"
@@ -115,17 +140,81 @@ def copy_hash_into(src: Buffer, dest: memoryview, piece_bytes: int) -> bytes:
     hashed in ``dest`` right after it was copied; returns the 16-byte XXH3-128 digest."""
     if NATIVE:
         return _fastread.copy_hash_into(src, dest, piece_bytes)  # type: ignore[union-attr]
+    source, out = _copy_arrays(src, dest, piece_bytes)
+    hasher = payload_hasher()
+    for _, piece in _copied_pieces(source, out, piece_bytes):
+        hasher.update(piece)
+    return hasher.digest()
+
+
+def copy_hash_layers_into(
+    src: Buffer, dest: memoryview, layer_sizes: Iterable[int], piece_bytes: int
+) -> tuple[bytes, list[bytes]]:
+    """Copy ``src`` into ``dest`` (of the same length), ``piece_bytes`` at a time, each piece
+    hashed in ``dest`` right after it was copied, for the whole and for each layer it
+    overlaps; the layers are back-to-back byte ranges of ``layer_sizes`` bytes, in order,
+    covering ``dest``. Returns the 16-byte XXH3-128 digests of the whole and of each layer
+    (an empty layer's is the empty input's)."""
+    if NATIVE:
+        return _fastread.copy_hash_layers_into(src, dest, layer_sizes, piece_bytes)  # type: ignore[union-attr]
+    source, out = _copy_arrays(src, dest, piece_bytes)
+    ends = _layer_ends(layer_sizes, out.nbytes)
+    whole = payload_hasher()
+    layers = [payload_hasher() for _ in ends]
+    layer = 0  # the first layer not yet wholly hashed
+    for start, piece in _copied_pieces(source, out, piece_bytes):
+        whole.update(piece)
+        # Each layer the piece overlaps takes its part. Empty layers are passed over; the
+        # last layer ends at the end of dest, so one ends past ``at``.
+        at, end = start, start + piece.nbytes
+        while at < end:
+            while ends[layer] <= at:
+                layer += 1
+            stop = min(ends[layer], end)
+            layers[layer].update(piece[at - start : stop - start])
+            at = stop
+    return whole.digest(), [hasher.digest() for hasher in layers]
+
+
+def _copy_arrays(src: Buffer, dest: memoryview, piece_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``src`` and ``dest`` as arrays of bytes, where they and ``piece_bytes`` make a copy
+    (else the ValueError ``_fastread`` raises)."""
     source = np.frombuffer(src, dtype=np.uint8)
     out = np.frombuffer(dest, dtype=np.uint8)
-    if piece_bytes <= 0 or source.nbytes != out.nbytes:
-        raise ValueError(
-            f"piece_bytes must be > 0 and src ({source.nbytes} bytes) as long as dest "
-            f"({out.nbytes})"
-        )
+    if piece_bytes <= 0:
+        raise ValueError(f"piece_bytes must be > 0, not {piece_bytes}")
+    if source.nbytes != out.nbytes:
+        raise ValueError(f"src has {source.nbytes} bytes, dest {out.nbytes}: they must be as many")
+    return source, out
+
+
+def _copied_pieces(
+    source: np.ndarray, out: np.ndarray, piece_bytes: int
+) -> Iterator[tuple[int, memoryview]]:
+    """Copy ``source`` into ``out`` piece by piece, yielding each piece's offset and its view
+    in ``out`` right after it was copied (the Python loop of both copies)."""
     view = memoryview(out)
-    hasher = payload_hasher()
     for start in range(0, out.nbytes, piece_bytes):
         end = min(start + piece_bytes, out.nbytes)
         out[start:end] = source[start:end]  # numpy copies without the GIL
-        hasher.update(view[start:end])
-    return hasher.digest()
+        yield start, view[start:end]
+
+
+def _layer_ends(layer_sizes: Iterable[int], nbytes: int) -> list[int]:
+    """Where each layer ends in a destination of ``nbytes``, its layers' sizes checked to be
+    >= 0 and to add up to ``nbytes`` (else the ValueError ``_fastread`` raises)."""
+    ends: list[int] = []
+    end = 0
+    for i, size in enumerate(layer_sizes):
+        size = operator.index(size)
+        if size < 0:
+            raise ValueError(f"layer_sizes[{i}] is negative")
+        if size > nbytes - end:
+            raise ValueError(
+                f"layer_sizes add up to more than dest's {nbytes} bytes (at layer {i})"
+            )
+        end += size
+        ends.append(end)
+    if end != nbytes:
+        raise ValueError(f"layer_sizes add up to {end} bytes, dest has {nbytes}")
+    return ends

@@ -137,7 +137,7 @@ class WorkerL3:
         self.fetch_piece_bytes = PIECE_BYTES
         self.fetch_native_piece_bytes = NATIVE_PIECE_BYTES
         if self.store is not None:
-            logger.info("DraftOffloadConnector: L3 fetches read with the %s reader", reader())
+            logger.info("DraftOffloadConnector: L3 fetches and writes use the %s loop", reader())
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind. Writes run one unit per task, as many at once as the
         # staging pool allows.

@@ -30,10 +30,10 @@ fraction of the copy. Measured on the dev box (AMD EPYC, AVX2, one thread), hash
 * zlib.crc32: 3.6 GB/s
 * blake3: 2-4 GB/s (format version 1 used it; it cost more than the read itself)
 
-Fetches on several threads hash in parallel: ``fast_io``'s native loop reads and hashes
-without the GIL (its own copy of xxHash, the same digests), and xxhash's ``update``, which
-the Python fallback and writes use, releases the GIL on large inputs. These checksums
-catch damage (bit flips, torn or mixed writes), not a forger.
+Fetches and writes on several threads hash in parallel: ``fast_io``'s native loops read
+(or copy) and hash without the GIL (its own copy of xxHash, the same digests), and
+xxhash's ``update``, which the Python fallback uses, releases the GIL on large inputs.
+These checksums catch damage (bit flips, torn or mixed writes), not a forger.
 """
 
 from __future__ import annotations

@@ -8,10 +8,14 @@ waits on and beside prefills (session 10, H100: a restart's fetches landed 7 uni
 units in 0.21 s with nothing to write), so what a write costs the memory bus and the GIL
 is paid by the requests in flight.
 
-Here the payload is copied piece by piece (numpy, without the GIL), and each piece is
-hashed right after it landed, while it is still in the CPU cache: the payload's digest
-and the digests of the layers it overlaps. The unit's bytes are exactly what
-``unit_codec.encode_unit_into`` makes of the same payload.
+Here the payload is copied piece by piece, and each piece is hashed right after it
+landed, while it is still in the CPU cache: the payload's digest and the digests of the
+layers it overlaps (``fast_io.copy_hash_layers_into``). With the native loop (the
+default where the C extension was built) the whole copy runs in C in one release of the
+GIL, in pieces of ``NATIVE_PIECE_BYTES``; with the Python one (``fast_io.NATIVE`` off)
+numpy copies and python-xxhash hashes each piece of ``PIECE_BYTES``, giving up the GIL
+and taking it back for every call. Both give the same digests, so the unit's bytes are
+exactly what ``unit_codec.encode_unit_into`` makes of the same payload either way.
 """
 
 from __future__ import annotations
@@ -19,22 +23,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Final
 
-import numpy as np
-
+from vllm_draft_offload import fast_io
 from vllm_draft_offload.unit_codec import (
     LayerSpec,
     UnitFrame,
     UnitHeader,
     UnitIdentity,
     header_with_digests,
-    payload_hasher,
     write_header_into,
 )
 
-# Small enough that a piece is still in the last-level cache when it is hashed (twice:
-# the payload's digest and its layers'), as for fetches by the Python reader
-# (unit_fetch.PIECE_BYTES).
+# The Python loop's pieces: small enough that a piece is still in the last-level cache
+# when it is hashed (twice: the payload's digest and its layers'), large enough to take
+# the GIL few times, as for fetches by the Python reader (unit_fetch.PIECE_BYTES).
 PIECE_BYTES: Final = 4 << 20
+# The native loop's pieces: it keeps the GIL released between them, so they need only be
+# small enough that a piece is still in the core's own L2 when it is hashed, as for
+# fetches by the native reader (unit_fetch.NATIVE_PIECE_BYTES).
+NATIVE_PIECE_BYTES: Final = 256 << 10
 
 
 def copy_unit_into(
@@ -46,10 +52,13 @@ def copy_unit_into(
     *,
     on_copied: Callable[[], None] | None = None,
     piece_bytes: int = PIECE_BYTES,
+    native_piece_bytes: int = NATIVE_PIECE_BYTES,
 ) -> UnitHeader:
     """Copy the payload ``source`` to ``out[frame.header_nbytes:]``, hashing each piece
-    as it lands, then write the header in front; returns the header. ``on_copied`` runs
-    once every byte of ``source`` was copied (the slot may be reused from then on)."""
+    as it lands (``native_piece_bytes`` at a time with the native loop, ``piece_bytes``
+    with the Python one), then write the header in front; returns the header.
+    ``on_copied`` runs once every byte of ``source`` was copied (the slot may be reused
+    from then on)."""
     out = out.cast("B") if out.format != "B" else out
     source = source.cast("B") if source.format != "B" else source
     if out.nbytes != frame.nbytes:
@@ -58,27 +67,15 @@ def copy_unit_into(
         raise ValueError(f"source has {source.nbytes} bytes, the payload {frame.payload_nbytes}")
     if sum(spec.nbytes for spec in layers) != frame.payload_nbytes:
         raise ValueError(f"layers do not cover the payload's {frame.payload_nbytes} bytes")
-    payload = out[frame.header_nbytes :]
-    src = np.frombuffer(source, dtype=np.uint8)
-    dst = np.frombuffer(payload, dtype=np.uint8)
-    whole = payload_hasher()
-    layer_hashers = [payload_hasher() for _ in layers]
-    layer_ends = np.cumsum([spec.nbytes for spec in layers]).tolist()
-    layer = 0  # the first layer not yet wholly hashed
-    for start in range(0, payload.nbytes, piece_bytes):
-        end = min(start + piece_bytes, payload.nbytes)
-        dst[start:end] = src[start:end]  # numpy copies without the GIL
-        whole.update(payload[start:end])
-        while layer < len(layers):
-            layer_start = layer_ends[layer] - layers[layer].nbytes
-            piece_end = min(end, layer_ends[layer])
-            layer_hashers[layer].update(payload[max(start, layer_start) : piece_end])
-            if layer_ends[layer] > end:
-                break
-            layer += 1
+    whole, layer_digests = fast_io.copy_hash_layers_into(
+        source,
+        out[frame.header_nbytes :],
+        [spec.nbytes for spec in layers],
+        native_piece_bytes if fast_io.NATIVE else piece_bytes,
+    )
     if on_copied is not None:
         on_copied()
-    digests = [h.hexdigest() for h in layer_hashers]
-    header = header_with_digests(identity, layers, digests, whole.hexdigest())
+    digests = [digest.hex() for digest in layer_digests]
+    header = header_with_digests(identity, layers, digests, whole.hex())
     write_header_into(out, frame, header)
     return header

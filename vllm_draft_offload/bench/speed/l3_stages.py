@@ -36,7 +36,9 @@ sizes, ``--engine-loop-ms`` and ``--writes``:
 
 * ``reader``: ``native`` (``fast_io``'s C loop, the product's default when it was built)
   or ``python`` (its fallback, what ``VLLM_DRAFT_OFFLOAD_NATIVE_IO=0`` runs); default
-  the one the process would use. The report's ``native_available`` says whether the
+  the one the process would use. The scenario's writes (``writes`` W > 0) copy and hash
+  with the same loop, each in its own pieces (``unit_write``), as they would in the
+  product. The report's ``native_available`` says whether the
   extension could be imported at all.
 * ``piece_kib``: the bytes a fetch reads and hashes at a time, by the row's reader:
   ``--piece-kib`` for the Python reader (``WorkerL3.fetch_piece_bytes``; default the
