@@ -68,6 +68,17 @@ else:
         )
         _fastread = None
 
+# The Python loop's pieces, for fetches (unit_fetch) and writes (unit_write): small enough
+# to stay in the last-level cache between landing and hashing (several threads' pieces at
+# once; a write hashes each twice, the payload's digest and its layers'), large enough
+# that a unit takes the GIL a few dozen times. Also the size of a spread fetch's runs of
+# layers.
+PIECE_BYTES: Final = 4 << 20
+# The native loop's pieces: it keeps the GIL released between them, so they need only be
+# small enough that a piece is still in the core's own L2 (1-2 MiB on current server
+# CPUs, shared with the read's kernel copy) when it is hashed right after landing.
+NATIVE_PIECE_BYTES: Final = 256 << 10
+
 ENV_VAR: Final = "VLLM_DRAFT_OFFLOAD_NATIVE_IO"
 # The extension could be imported and has every function called here (whether or not it
 # is used).

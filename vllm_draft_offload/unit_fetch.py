@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Final
 
 from vllm_draft_offload import fast_io
+from vllm_draft_offload.fast_io import NATIVE_PIECE_BYTES, PIECE_BYTES
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import ObjectFile
 from vllm_draft_offload.l3_store import L3Store
@@ -71,15 +71,6 @@ from vllm_draft_offload.unit_verify import (
     check_layer,
     check_payload,
 )
-
-# The Python reader's pieces: small enough to stay in the last-level cache between landing
-# and hashing (several threads' pieces at once), large enough that a unit takes the GIL a
-# few dozen times. Also the size of a spread fetch's runs of layers.
-PIECE_BYTES: Final = 4 << 20
-# The native reader's pieces: it keeps the GIL released between them, so they need only
-# be small enough that a piece is still in the core's own L2 (1-2 MiB on current server
-# CPUs, shared with the read's kernel copy) when it is hashed right after landing.
-NATIVE_PIECE_BYTES: Final = 256 << 10
 
 
 def fetch_unit_into(

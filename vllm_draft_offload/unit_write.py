@@ -21,9 +21,9 @@ exactly what ``unit_codec.encode_unit_into`` makes of the same payload either wa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final
 
 from vllm_draft_offload import fast_io
+from vllm_draft_offload.fast_io import NATIVE_PIECE_BYTES, PIECE_BYTES
 from vllm_draft_offload.unit_codec import (
     LayerSpec,
     UnitFrame,
@@ -32,15 +32,6 @@ from vllm_draft_offload.unit_codec import (
     header_with_digests,
     write_header_into,
 )
-
-# The Python loop's pieces: small enough that a piece is still in the last-level cache
-# when it is hashed (twice: the payload's digest and its layers'), large enough to take
-# the GIL few times, as for fetches by the Python reader (unit_fetch.PIECE_BYTES).
-PIECE_BYTES: Final = 4 << 20
-# The native loop's pieces: it keeps the GIL released between them, so they need only be
-# small enough that a piece is still in the core's own L2 when it is hashed, as for
-# fetches by the native reader (unit_fetch.NATIVE_PIECE_BYTES).
-NATIVE_PIECE_BYTES: Final = 256 << 10
 
 
 def copy_unit_into(
