@@ -1,6 +1,6 @@
 """`l3.switch_interval_ms`: the storage tier lowers Python's GIL switch interval in the
-worker only while a request waits on storage, puts the process's own back as soon as
-none does, never raises it, and refuses a bad value naming the field."""
+scheduler and the worker only while a request waits on storage, puts the process's own
+back as soon as none does, never raises it, and refuses a bad value naming the field."""
 
 from __future__ import annotations
 
@@ -93,14 +93,18 @@ def test_a_worker_lowers_it_only_while_a_request_waits_on_storage(
     worker_l3 = eng.worker.worker.l3
     assert worker_l3 is not None
     try:
+        prefetch = eng.scheduler.connector.scheduler.l3
+        assert prefetch is not None
         eng.add_request("hit", hit_tokens, max_tokens=2)
         eng.step()  # its lookup starts; the step's metadata tells the worker
-        assert worker_l3.switch_interval.lowered
+        # The scheduler lowers it as the lookup starts, the workers with the step.
+        assert prefetch.switch_interval.lowered and worker_l3.switch_interval.lowered
         assert sys.getswitchinterval() == pytest.approx(0.0005)  # the default, 0.5 ms
         eng.run_prefill("hit")
         assert eng.external_hits["hit"] == 3 * CHUNK  # served from storage
         eng.step()
         assert not worker_l3.switch_interval.lowered  # admitted: nothing waits
+        assert not prefetch.switch_interval.lowered
         assert sys.getswitchinterval() == pytest.approx(PYTHONS)
     finally:
         eng.worker.shutdown()

@@ -48,6 +48,7 @@ from vllm_draft_offload.l3_tier import SchedulerL3
 from vllm_draft_offload.metadata import FETCH_CANCELLED, FetchJob
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.restore_overlap import OverlapRestores
+from vllm_draft_offload.switch_interval import WaitingSwitchInterval
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ class L3Prefetch:
         self._requests: dict[str, L3RequestState] = {}
         # Requests waiting on a lookup or fetch (read every step: any_waiting).
         self._waiting: set[str] = set()
+        # Lowered from the moment a lookup starts in this process (its answer, then the
+        # fetches' landings, take the GIL on other threads), not a step later when the
+        # workers hear of it: beside a long prefill step that is a whole step.
+        low_ms = config.switch_interval_ms
+        self.switch_interval = WaitingSwitchInterval(None if low_ms is None else low_ms / 1000)
         # Units pinned for a request while it waits on its lookup or fetches.
         self._pins: dict[str, list[UnitId]] = {}
         # Chunk keys of the units fetched from storage for a request while it waited:
@@ -281,6 +287,7 @@ class L3Prefetch:
         state.lookup_started = time.perf_counter()
         state.lookup = self.lookup.lookup(list(keys[first:last]))
         self._waiting.add(req_id)
+        self.switch_interval.set_waiting(True)
         return state
 
     def _may_wait(self, state: L3RequestState, landed: int) -> bool:
@@ -422,6 +429,7 @@ class L3Prefetch:
         state.phase = "done"
         decision = state.decision
         self._waiting.discard(decision.req_id)
+        self.switch_interval.set_waiting(bool(self._waiting))
         if state.fetch_started is not None:
             decision.fetch_s = time.monotonic() - state.fetch_started
         decision.outcome = outcome
@@ -604,6 +612,7 @@ class L3Prefetch:
 
     def close(self) -> None:
         """Engine shutdown: write this engine's prefill calibration, summarise."""
+        self.switch_interval.close()
         if self.calibration is not None:
             self.calibration.save_now(self.cost.prefill)
         self.log.summary()

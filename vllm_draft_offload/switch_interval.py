@@ -5,14 +5,17 @@ can wait out a whole switch interval of the engine thread's Python (Python's def
 5 ms). Lowering the interval (``sys.setswitchinterval``, process-wide) makes those takes
 prompt: with the Python reader, fetches beside a busy engine loop ran 2.5 x faster at
 0.5 ms (``l3-stages --switch-interval-ms``). But the engine thread then hands the GIL to
-vLLM's other threads ten times as often too, and that is paid on every engine step while
-the interval stays low: session 22's soaks on one H100 measured an engine with the
-connector on and every request opting out of it at 0.94 x the no-connector engine's
-output rate with the interval held at 0.5 ms, and at 1.02 x with Python's 5 ms.
+vLLM's other threads ten times as often too, on every engine step while the interval
+stays low, for no gain when no request waits on storage (one pair of session 22's soaks
+on an H100: an engine with the connector on and every request opting out of it at 0.94 x
+the no-connector engine's output rate with the interval held at 0.5 ms, 1.02 x with
+Python's 5 ms; a later soak's idle phase at 0.86 x with 5 ms kept, so how much of that
+cost is the interval's is not settled).
 
-So the interval is low only while some request waits on a storage lookup or fetch (the
-scheduler says so with every step, ``l3_reads_waiting``, and a worker that issues a
-fetch knows it), and goes back to what the process had as soon as none waits. Several
+So the interval is low only while some request waits on a storage lookup or fetch: the
+scheduler lowers it as a lookup starts (``L3Prefetch``) and tells the workers with every
+step (``l3_reads_waiting``; a worker that issues a fetch knows it too), and it goes back
+to what the process had as soon as none waits. Several
 storage tiers in one process (tests, benchmarks) share it: the lowest interval any of
 them wants while its requests wait applies, and the process's own comes back once none
 waits.
