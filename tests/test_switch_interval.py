@@ -4,6 +4,7 @@ back as soon as none does, never raises it, and refuses a bad value naming the f
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 from test_l3_tier import CHUNK, l3_engine
 from test_l3_writes import serve, settle_writes
 
+from vllm_draft_offload import switch_interval
 from vllm_draft_offload.config import parse_config
 from vllm_draft_offload.switch_interval import WaitingSwitchInterval
 
@@ -21,11 +23,24 @@ PYTHONS = 0.005
 
 
 @pytest.fixture
-def python_interval() -> Iterator[None]:
+def python_interval(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Python's 5 ms, and no claim of another test's engine still alive in the process."""
+    monkeypatch.setattr(switch_interval, "_wanted", {})
+    monkeypatch.setattr(switch_interval, "_normal", None)
     before = sys.getswitchinterval()
     sys.setswitchinterval(PYTHONS)
     yield
     sys.setswitchinterval(before)
+
+
+@pytest.mark.usefixtures("python_interval")
+def test_a_tier_dropped_while_waiting_gives_it_back() -> None:
+    tier = WaitingSwitchInterval(0.0005)
+    tier.set_waiting(True)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    del tier
+    gc.collect()
+    assert sys.getswitchinterval() == pytest.approx(PYTHONS)
 
 
 @pytest.mark.usefixtures("python_interval")

@@ -26,10 +26,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
+# Reentrant: a claim's finalizer (below) may run during a collection on a thread that
+# holds the lock.
+_lock = threading.RLock()
 # Who wants the interval lowered now, and to how many seconds.
 _wanted: dict[int, float] = {}
 # The process's interval before the first lowering (None: not lowered now).
@@ -43,6 +46,9 @@ class WaitingSwitchInterval:
     def __init__(self, low_seconds: float | None) -> None:
         self.low_seconds = low_seconds
         self._key = id(self)
+        # A tier dropped without close() (an engine torn down while a request waited)
+        # must not keep the interval low for the rest of the process.
+        weakref.finalize(self, _withdraw, self._key)
 
     @property
     def lowered(self) -> bool:
@@ -64,6 +70,12 @@ class WaitingSwitchInterval:
 
     def close(self) -> None:
         self.set_waiting(False)
+
+
+def _withdraw(key: int) -> None:
+    with _lock:
+        if _wanted.pop(key, None) is not None:
+            _apply()
 
 
 def _apply() -> None:
