@@ -156,6 +156,32 @@ PyDoc_STRVAR(copy_hash_into_doc,
 "dest right after it was copied; returns the 16-byte XXH3-128 digest. The GIL is\n"
 "released for the whole call.");
 
+/* The copy loop of both copies, to run without the GIL: copy in to out piece by piece,
+   each piece hashed into `whole` right after it landed and, where `layers` is not NULL,
+   into each layer it overlaps (layer i ends at ends[i]; the last at nbytes). Advances
+   with `done = end`, so a piece_bytes near the largest Py_ssize_t cannot overflow. */
+static void copy_hash_pieces(const char *in, char *out, Py_ssize_t nbytes,
+                             Py_ssize_t piece_bytes, XXH3_state_t *whole,
+                             XXH3_state_t *layers, const Py_ssize_t *ends) {
+    Py_ssize_t layer = 0; /* the first layer not yet wholly hashed */
+    for (Py_ssize_t done = 0, end; done < nbytes; done = end) {
+        end = nbytes - done < piece_bytes ? nbytes : done + piece_bytes;
+        memcpy(out + done, in + done, (size_t)(end - done));
+        XXH3_128bits_update(whole, out + done, (size_t)(end - done));
+        if (layers == NULL)
+            continue;
+        /* Each layer the piece overlaps takes its part. Empty layers are passed over
+           (their digest is the empty input's); the last layer ends at nbytes, so one
+           ends past `at`. */
+        for (Py_ssize_t at = done, stop; at < end; at = stop) {
+            while (ends[layer] <= at)
+                layer++;
+            stop = ends[layer] < end ? ends[layer] : end;
+            XXH3_128bits_update(&layers[layer], out + at, (size_t)(stop - at));
+        }
+    }
+}
+
 static PyObject *copy_hash_into(PyObject *self, PyObject *args) {
     Py_buffer src, dest;
     Py_ssize_t piece_bytes;
@@ -168,15 +194,8 @@ static PyObject *copy_hash_into(PyObject *self, PyObject *args) {
     }
     XXH3_state_t state;
     XXH3_128bits_reset(&state);
-    const char *in = src.buf;
-    char *out = dest.buf;
-    Py_ssize_t nbytes = dest.len;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t done = 0; done < nbytes; done += piece_bytes) {
-        size_t piece = (size_t)(nbytes - done < piece_bytes ? nbytes - done : piece_bytes);
-        memcpy(out + done, in + done, piece);
-        XXH3_128bits_update(&state, out + done, piece);
-    }
+    copy_hash_pieces(src.buf, dest.buf, dest.len, piece_bytes, &state, NULL, NULL);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyBuffer_Release(&dest);
@@ -288,25 +307,8 @@ static PyObject *copy_hash_layers_into(PyObject *self, PyObject *args) {
         XXH3_128bits_reset(&whole);
         for (Py_ssize_t i = 0; i < count; i++)
             XXH3_128bits_reset(&layers[i]);
-        const char *in = src.buf;
-        char *out = dest.buf;
-        Py_ssize_t nbytes = dest.len;
         Py_BEGIN_ALLOW_THREADS
-        Py_ssize_t layer = 0; /* the first layer not yet wholly hashed */
-        for (Py_ssize_t done = 0, end; done < nbytes; done = end) {
-            end = nbytes - done < piece_bytes ? nbytes : done + piece_bytes;
-            memcpy(out + done, in + done, (size_t)(end - done));
-            XXH3_128bits_update(&whole, out + done, (size_t)(end - done));
-            /* Each layer the piece overlaps takes its part. Empty layers are passed over
-               (their digest is the empty input's); the last layer ends at nbytes, so one
-               ends past `at`. */
-            for (Py_ssize_t at = done, stop; at < end; at = stop) {
-                while (ends[layer] <= at)
-                    layer++;
-                stop = ends[layer] < end ? ends[layer] : end;
-                XXH3_128bits_update(&layers[layer], out + at, (size_t)(stop - at));
-            }
-        }
+        copy_hash_pieces(src.buf, dest.buf, dest.len, piece_bytes, &whole, layers, ends);
         Py_END_ALLOW_THREADS
         result = layer_digests_result(&whole, layers, count);
     }

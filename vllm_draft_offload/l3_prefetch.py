@@ -114,8 +114,7 @@ class L3Prefetch:
         # Lowered from the moment a lookup starts in this process (its answer, then the
         # fetches' landings, take the GIL on other threads), not a step later when the
         # workers hear of it: beside a long prefill step that is a whole step.
-        low_ms = config.switch_interval_ms
-        self.switch_interval = WaitingSwitchInterval(None if low_ms is None else low_ms / 1000)
+        self.switch_interval = WaitingSwitchInterval.for_config(config)
         # Units pinned for a request while it waits on its lookup or fetches.
         self._pins: dict[str, list[UnitId]] = {}
         # Chunk keys of the units fetched from storage for a request while it waited:

@@ -130,8 +130,7 @@ class WorkerL3:
         )
         self.store = open_store(config, layout.unit_bytes)
         # Lowered only while a request waits on storage (set_reads_waiting).
-        low_ms = config.switch_interval_ms
-        self.switch_interval = WaitingSwitchInterval(None if low_ms is None else low_ms / 1000)
+        self.switch_interval = WaitingSwitchInterval.for_config(config)
         # Bytes a fetch reads (and hashes) at a time, by the Python reader and by the
         # native one (unit_fetch; benchmarks vary them).
         self.fetch_piece_bytes = PIECE_BYTES

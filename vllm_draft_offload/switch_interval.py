@@ -28,6 +28,8 @@ import sys
 import threading
 import weakref
 
+from vllm_draft_offload.config import L3Config
+
 logger = logging.getLogger(__name__)
 
 # Reentrant: a claim's finalizer (below) may run during a collection on a thread that
@@ -42,6 +44,12 @@ _normal: float | None = None
 class WaitingSwitchInterval:
     """One storage tier's say on the interval: ``low_seconds`` while its requests wait
     on storage (``set_waiting(True)``), nothing otherwise. ``None`` never lowers it."""
+
+    @classmethod
+    def for_config(cls, config: L3Config) -> WaitingSwitchInterval:
+        """The tier's ``l3.switch_interval_ms`` (scheduler and workers alike)."""
+        low_ms = config.switch_interval_ms
+        return cls(None if low_ms is None else low_ms / 1000)
 
     def __init__(self, low_seconds: float | None) -> None:
         self.low_seconds = low_seconds
