@@ -327,3 +327,115 @@ def test_the_native_loop_runs_without_the_gil(
     finally:
         sys.setswitchinterval(switch)
         os.close(fd)
+
+
+# ---- batch file probes of storage lookups ------------------------------------------------------
+def _probe_paths(tmp_path: Path) -> list[str | bytes | Path]:
+    (tmp_path / "unit").write_bytes(b"u" * 5000)
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "dir").mkdir()
+    return [
+        str(tmp_path / "unit"),
+        os.fsencode(tmp_path / "unit"),  # bytes paths, as LMCache's may be
+        tmp_path / "missing",
+        tmp_path / "dir",
+        tmp_path / "no-such-dir" / "unit",
+        tmp_path / "empty",
+    ]
+
+
+def test_files_exist_answers_as_os_path_exists(reader: str, tmp_path: Path) -> None:
+    paths = _probe_paths(tmp_path)
+    assert fast_io.files_exist(paths, LATER) == [True, True, False, True, False, True]
+    assert fast_io.files_exist(paths, LATER) == [os.path.exists(p) for p in paths]
+    assert fast_io.files_exist([], LATER) == []
+
+
+def test_files_exist_stops_at_a_passed_deadline(reader: str, tmp_path: Path) -> None:
+    with pytest.raises(fast_io.DeadlinePassed) as raised:
+        fast_io.files_exist(_probe_paths(tmp_path), time.monotonic() - 0.001)
+    assert raised.value.args == (0,)
+
+
+def test_files_resident_answers_as_file_resident(reader: str, tmp_path: Path) -> None:
+    """Read: resident; missing: not (a fetch of it would fail); empty or a directory: cannot
+    tell (no mapping). The same answers as l3_residency.file_resident, file by file."""
+    from vllm_draft_offload.l3_residency import file_resident
+
+    paths = _probe_paths(tmp_path)
+    Path(paths[0]).read_bytes()
+    answers = fast_io.files_resident(paths)
+    assert answers[:3] == [True, True, False] and answers[4:] == [False, None]
+    assert answers == [file_resident(os.fsdecode(p)) for p in paths]
+
+
+def test_files_resident_sees_an_evicted_file(reader: str, tmp_path: Path) -> None:
+    from test_l3_residency import _on_real_filesystem, _skip_unless_evicted
+
+    from vllm_draft_offload.bench.speed.disk_baseline import evict_from_page_cache
+
+    _on_real_filesystem(tmp_path)
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    for path in (warm, cold):
+        path.write_bytes(os.urandom(1 << 20))
+    warm.read_bytes()
+    evict_from_page_cache(cold)
+    _skip_unless_evicted(cold)
+    assert fast_io.files_resident([warm, cold, warm]) == [True, False, True]
+
+
+@pytest.mark.parametrize("probe", ["files_exist", "files_resident"])
+def test_probes_refuse_what_is_no_path(reader: str, probe: str) -> None:
+    call = getattr(fast_io, probe)
+    args = (LATER,) if probe == "files_exist" else ()
+    with pytest.raises(TypeError):
+        call([3], *args)
+    with pytest.raises(TypeError):
+        call([None], *args)
+
+
+def _took_beside_a_busy_thread(call: Callable[[], object]) -> float:
+    """Seconds ``call`` takes while another Python thread computes, at Python's default
+    switch interval: each time ``call`` gives the GIL up, taking it back can wait out an
+    interval (5 ms) of the other thread."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+
+
+def test_the_native_probes_give_up_the_gil_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup's probes beside vLLM's busy engine thread: the Python loop takes the GIL
+    back after every file, and so waits out up to an interval each time; the native call
+    takes it back once, so it finishes in a fraction of the Python loop's time."""
+    if not fast_io.AVAILABLE:
+        pytest.skip(fast_io.reader())
+    paths = [tmp_path / f"u{i}" for i in range(64)]
+    for path in paths:
+        path.write_bytes(b"x" * 8192)
+
+    def lookup() -> None:
+        assert all(fast_io.files_exist(paths, LATER))
+        assert all(fast_io.files_resident(paths[:8]))
+
+    took = {}
+    for native in (False, True, False, True):
+        monkeypatch.setattr(fast_io, "NATIVE", native)
+        took[native] = min(took.get(native, 1e9), _took_beside_a_busy_thread(lookup))
+    assert took[True] < took[False] / 2, took

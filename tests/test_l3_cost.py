@@ -55,6 +55,38 @@ def test_prefill_fit_recovers_step_cost_despite_outliers() -> None:
     assert est.recompute_s(16384, 256) > 1.5 * est.recompute_s(0, 256)  # type: ignore[operator]
 
 
+def test_steps_only_take_samples_and_a_price_asked_for_fits_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fit runs on the scheduler thread: not once per step (vLLM steps tens of times
+    a second), but when a lookup asks for a price, and again only after REFIT_EVERY new
+    samples; while no fit can be made, once per new sample asked about."""
+    from vllm_draft_offload import l3_cost
+
+    fits: list[int] = []
+    real_fit = l3_cost.fit_steps
+    monkeypatch.setattr(l3_cost, "fit_steps", lambda s: fits.append(1) or real_fit(s))
+    est = PrefillEstimate()
+    for _ in range(3):  # too few samples for a fit
+        est.observe(512, 512 * 256.0, 0.01)
+    assert fits == []
+    assert est.recompute_s(0, 256) is not None and est.coef is None  # the rate stands in
+    assert len(fits) == 1
+    est.recompute_s(0, 256)
+    assert len(fits) == 1  # nothing new since: not tried again
+    for tokens in (1024, 64, 2048, 128, 4096):
+        est.observe(tokens, tokens * tokens / 2, 1e-5 * tokens + 0.002)
+    assert len(fits) == 1  # steps alone never fit
+    assert est.coef is not None and len(fits) == 2
+    for _ in range(l3_cost.REFIT_EVERY - 1):
+        est.observe(300, 300 * 150.0, 0.005)
+    first = est.coef
+    assert len(fits) == 2 and first is est.coef  # fewer than REFIT_EVERY new: kept
+    est.observe(300, 300 * 150.0, 0.005)
+    est.recompute_s(0, 256)
+    assert len(fits) == 3
+
+
 def test_a_few_prefills_among_many_short_steps_price_recompute() -> None:
     """What an engine sees between restored hits: many short steps (decodes, tiny
     requests) and few long prefills. The prefills must price recompute."""

@@ -370,3 +370,17 @@ def test_the_lease_scripts_soak_switch_phase_keeps_pythons_switch_interval() -> 
         kw = build_kwargs("ours_disk", shape, l3_url="fs:///tmp/x", l3_switch_interval_ms=value)
         l3 = kw["kv_transfer_config"]["kv_connector_extra_config"]["l3"]
         assert l3.get("switch_interval_ms", "absent") == wanted
+
+
+def test_the_lease_scripts_soak_spy_phase_samples_the_pair_under_py_spy() -> None:
+    """soak-spy runs a soak the parser accepts (baseline first, an idle phase) under
+    py-spy, idle samples included, and keeps the raw stacks even if the soak fails."""
+    m = re.search(r'\[soak-spy\]="([^"]*)"', LEASE.read_text())
+    assert m, "no soak-spy phase in lease.sh"
+    words = shlex.split(m.group(1).replace("\\\n", " "))
+    spy = words[words.index("record") :]
+    assert {"--subprocesses", "--idle", "--threads", "--nonblocking"} <= set(spy)
+    soak_words = words[words.index("soak") + 1 : words.index("gzip")]
+    args = soak.parse_args([w.rstrip(";") for w in soak_words])
+    assert args.baseline_first and args.no_faults and 0 < args.idle_seconds < args.seconds
+    assert m.group(1).rstrip().endswith("gzip -f /root/soak-spy/spy.raw")

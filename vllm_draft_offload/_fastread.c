@@ -24,14 +24,23 @@
  *                         before the piece at `done`; checked before every piece, so
  *                         nothing is written into the destination after it raised;
  *   OSError               any other failed pread (EINTR is retried).
+ *
+ * A storage lookup (l3_store) asks of many stored files whether they exist and, for the
+ * first ones a fetch would read, whether the page cache holds them whole: files_exist and
+ * files_resident answer for a whole list in one release of the GIL. Per file from Python,
+ * each stat, open, mmap and mincore gave the GIL up and took it back, and beside vLLM's
+ * busy engine thread each take could wait out a switch interval.
  */
 #define PY_SSIZE_T_CLEAN
 #define _FILE_OFFSET_BITS 64
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -319,17 +328,160 @@ static PyObject *copy_hash_layers_into(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* The paths of a sequence of str/bytes/os.PathLike, as file-system bytes: `held` keeps the
+   bytes objects alive, `paths` points into them. NULL with an exception set on bad input. */
+static const char **fs_paths(PyObject *seq, PyObject **held, Py_ssize_t *count) {
+    PyObject *fast = PySequence_Fast(seq, "paths must be a sequence of paths");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *list = PyList_New(n);
+    const char **paths = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(*paths));
+    if (list == NULL || paths == NULL) {
+        Py_XDECREF(list);
+        PyMem_Free(paths);
+        Py_DECREF(fast);
+        if (paths == NULL)
+            PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *encoded = NULL;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(fast, i), &encoded)) {
+            Py_DECREF(list);
+            PyMem_Free(paths);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, encoded); /* steals the reference */
+        paths[i] = PyBytes_AS_STRING(encoded);
+    }
+    Py_DECREF(fast);
+    *held = list;
+    *count = n;
+    return paths;
+}
+
+PyDoc_STRVAR(files_exist_doc,
+"files_exist(paths, deadline) -> bytes\n\n"
+"For each path, 1 if stat() succeeds (os.path.exists), else 0. Raises\n"
+"DeadlinePassed(done) when time.monotonic passed the deadline before path `done`.\n"
+"The GIL is released for the whole call.");
+
+static PyObject *files_exist(PyObject *self, PyObject *args) {
+    PyObject *seq, *held = NULL;
+    double deadline;
+    Py_ssize_t count = 0, done = 0;
+    if (!PyArg_ParseTuple(args, "Od:files_exist", &seq, &deadline))
+        return NULL;
+    const char **paths = fs_paths(seq, &held, &count);
+    if (paths == NULL)
+        return NULL;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, count);
+    if (result != NULL) {
+        char *found = PyBytes_AS_STRING(result);
+        Py_BEGIN_ALLOW_THREADS
+        struct stat st;
+        for (; done < count; done++) {
+            if (monotonic_now() > deadline)
+                break;
+            found[done] = stat(paths[done], &st) == 0;
+        }
+        Py_END_ALLOW_THREADS
+        if (done < count) {
+            Py_CLEAR(result);
+            raise_outcome(LATE, done, 0);
+        }
+    }
+    PyMem_Free(paths);
+    Py_DECREF(held);
+    return result;
+}
+
+enum residency { NOT_RESIDENT = 0, RESIDENT = 1, UNKNOWN = 2 };
+
+/* As l3_residency.file_resident: a missing file is not resident (a fetch of it would
+   fail); one that cannot be opened, is empty, or cannot be mapped or asked is unknown. */
+static enum residency file_residency(const char *path, unsigned char **vec, size_t *vec_len) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT ? NOT_RESIDENT : UNKNOWN;
+    enum residency answer = UNKNOWN;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && st.st_size > 0) {
+        size_t size = (size_t)st.st_size;
+        long page = sysconf(_SC_PAGESIZE);
+        size_t pages = (size + (size_t)page - 1) / (size_t)page;
+        if (pages > *vec_len) {
+            unsigned char *grown = realloc(*vec, pages);
+            if (grown != NULL) {
+                *vec = grown;
+                *vec_len = pages;
+            }
+        }
+        void *addr = pages <= *vec_len ? mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0)
+                                       : MAP_FAILED;
+        if (addr != MAP_FAILED) {
+            if (mincore(addr, size, *vec) == 0) {
+                answer = RESIDENT;
+                /* only the lowest bit of each byte is defined (resident) */
+                for (size_t i = 0; i < pages; i++)
+                    if (!((*vec)[i] & 1)) {
+                        answer = NOT_RESIDENT;
+                        break;
+                    }
+            }
+            munmap(addr, size);
+        }
+    }
+    close(fd);
+    return answer;
+}
+
+PyDoc_STRVAR(files_resident_doc,
+"files_resident(paths) -> bytes\n\n"
+"For each path, whether the page cache holds the whole file (mincore on a mapping of\n"
+"it, nothing read): 1 resident, 0 not (or the file is missing), 2 cannot tell.\n"
+"The GIL is released for the whole call.");
+
+static PyObject *files_resident(PyObject *self, PyObject *args) {
+    PyObject *seq, *held = NULL;
+    Py_ssize_t count = 0;
+    if (!PyArg_ParseTuple(args, "O:files_resident", &seq))
+        return NULL;
+    const char **paths = fs_paths(seq, &held, &count);
+    if (paths == NULL)
+        return NULL;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, count);
+    if (result != NULL) {
+        char *answers = PyBytes_AS_STRING(result);
+        unsigned char *vec = NULL;
+        size_t vec_len = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++)
+            answers[i] = (char)file_residency(paths[i], &vec, &vec_len);
+        free(vec);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(paths);
+    Py_DECREF(held);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pread_hash_into", pread_hash_into, METH_VARARGS, pread_hash_into_doc},
     {"copy_hash_into", copy_hash_into, METH_VARARGS, copy_hash_into_doc},
     {"copy_hash_layers_into", copy_hash_layers_into, METH_VARARGS, copy_hash_layers_into_doc},
+    {"files_exist", files_exist, METH_VARARGS, files_exist_doc},
+    {"files_resident", files_resident, METH_VARARGS, files_resident_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "vllm_draft_offload._fastread",
-    .m_doc = "GIL-free copy-and-hash loops of unit fetches and writes (see fast_io).",
+    .m_doc = "GIL-free copy-and-hash loops of unit fetches and writes, and batch file probes "
+             "of storage lookups (see fast_io).",
     .m_size = -1,
     .m_methods = methods,
 };

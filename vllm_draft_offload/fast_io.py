@@ -29,6 +29,13 @@ sizes that disagree) raise the same ``ValueError``, a file that ends early raise
 failed read raises ``OSError``. ``l3_fs_reads.ObjectFile`` turns the read errors into its
 storage errors.
 
+A storage lookup asks of many stored files whether they exist (``files_exist``) and, for
+those a fetch would read first, whether the page cache holds them whole
+(``files_resident``). Natively each list is answered in one release of the GIL; in Python
+every file's ``stat`` (or ``open``, ``mmap`` and ``mincore``) gives it up and takes it
+back, and beside a busy engine thread each take can wait out a switch interval (a 64-key
+lookup took 6.3 ms at 0.5 ms, 2-core box, against 0.5 ms quiet).
+
 ``NATIVE`` says which loop runs (the "reader", for fetches and writes alike); it is read at
 every call, so tests and the ``l3-stages`` benchmark can switch it. Setting
 ``VLLM_DRAFT_OFFLOAD_NATIVE_IO=0`` in the environment before the process imports this
@@ -42,17 +49,24 @@ from __future__ import annotations
 import operator
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
 import numpy as np
 
+from vllm_draft_offload.l3_residency import file_resident
 from vllm_draft_offload.unit_codec import Buffer, payload_hasher
 
 # The extension's functions this module calls. One built from an older _fastread.c (an
 # editable install not rebuilt after an update) lacks some; it is then not used at all,
 # rather than failing every call to a missing function.
-_FUNCTIONS: Final = ("pread_hash_into", "copy_hash_into", "copy_hash_layers_into")
+_FUNCTIONS: Final = (
+    "pread_hash_into",
+    "copy_hash_into",
+    "copy_hash_layers_into",
+    "files_exist",
+    "files_resident",
+)
 
 try:
     from vllm_draft_offload import _fastread
@@ -185,6 +199,31 @@ def copy_hash_layers_into(
             layers[layer].update(piece[at - start : stop - start])
             at = stop
     return whole.digest(), [hasher.digest() for hasher in layers]
+
+
+def files_exist(paths: Sequence[str | os.PathLike[str]], deadline: float) -> list[bool]:
+    """Whether each file exists (``os.path.exists``). Raises ``DeadlinePassed(done)`` when
+    ``deadline`` (``time.monotonic``) passed before the path at ``done``."""
+    if NATIVE:
+        return [bool(b) for b in _fastread.files_exist(paths, deadline)]  # type: ignore[union-attr]
+    found = []
+    for done, path in enumerate(paths):
+        if time.monotonic() > deadline:
+            raise DeadlinePassed(done)
+        found.append(os.path.exists(os.fspath(path)))  # fspath: an int is no path
+    return found
+
+
+# files_resident's answer bytes: 0 not resident (or missing), 1 resident, 2 cannot tell.
+_RESIDENCY: Final = (False, True, None)
+
+
+def files_resident(paths: Sequence[str | os.PathLike[str]]) -> list[bool | None]:
+    """Whether the page cache holds each whole file (``l3_residency.file_resident``): False
+    for a missing file, None where the kernel would not tell."""
+    if NATIVE:
+        return [_RESIDENCY[b] for b in _fastread.files_resident(paths)]  # type: ignore[union-attr]
+    return [file_resident(os.fspath(path)) for path in paths]
 
 
 def _copy_arrays(src: Buffer, dest: memoryview, piece_bytes: int) -> tuple[np.ndarray, np.ndarray]:

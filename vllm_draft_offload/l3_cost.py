@@ -184,8 +184,8 @@ def median_prefill_rate(samples: Iterable[Sample]) -> float | None:
 class PrefillEstimate:
     def __init__(self) -> None:
         self._samples: deque[Sample] = deque(maxlen=WINDOW)
-        self._new = 0
-        self.coef: np.ndarray | None = None  # a, b, c: this engine's own fit
+        self._new = 0  # samples taken since the last fit (or try at one)
+        self._coef: np.ndarray | None = None  # a, b, c: this engine's own fit (see coef)
         # Fit of an earlier engine's samples (same model and device): used until
         # this engine has its own fit.
         self.prior_coef: np.ndarray | None = None
@@ -207,16 +207,21 @@ class PrefillEstimate:
         self._rate_stale = True
         self.observed += 1
         self._new += 1
-        if self._new >= REFIT_EVERY or self.coef is None:
-            self._fit()
 
-    def _fit(self) -> None:
-        coef = fit_steps(self._samples)
-        if coef is None:
-            return
-        self._new = 0
-        self.coef = coef
-        self._fit_largest = max(t for t, _, _ in self._samples)
+    @property
+    def coef(self) -> np.ndarray | None:
+        """This engine's own fit, (a, b, c), refit when asked after REFIT_EVERY new samples
+        (at once while there is none). Fit when a price is asked for, not as each step's
+        sample comes: a fit takes about a millisecond of the scheduler thread, vLLM steps
+        tens of times a second, and prices are asked for only by storage lookups (py-spy
+        on an H100, session 23: refitting as samples came took 1.6 % of the engine thread)."""
+        if self._new and (self._coef is None or self._new >= REFIT_EVERY):
+            self._new = 0
+            coef = fit_steps(self._samples)
+            if coef is not None:
+                self._coef = coef
+                self._fit_largest = max(t for t, _, _ in self._samples)
+        return self._coef
 
     def set_prior(self, samples: Iterable[Sample]) -> bool:
         """Take an earlier engine's step samples as the estimate until this engine has

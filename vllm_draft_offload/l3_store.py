@@ -31,6 +31,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
 
+from vllm_draft_offload import fast_io
 from vllm_draft_offload.l3_backends import (
     MAX_OBJECT_BYTES,
     ConfigError,
@@ -45,7 +46,6 @@ from vllm_draft_offload.l3_backends import (
 from vllm_draft_offload.l3_channel import L3Channel, release_staged
 from vllm_draft_offload.l3_errors import L3Error
 from vllm_draft_offload.l3_fs_reads import DeadlineExceeded, ObjectFile, open_object_file
-from vllm_draft_offload.l3_residency import file_resident
 
 T = TypeVar("T")
 
@@ -271,14 +271,16 @@ class L3Store(L3Channel):
         return self._run("contains_many", f"{len(keys)} keys", None, _many)
 
     def _files_exist(self, lkeys: list[CacheEngineKey]) -> list[bool] | None:
-        """fs://: which objects' files exist, by the connector's own path rule, with one
-        ``stat`` each on this thread (None: the connector has no files).
+        """fs://: which objects' files exist, by the connector's own path rule, asked on
+        this thread (None: the connector has no files).
 
         LMCache's ``exists`` sends each stat from its event loop to an executor thread
         and back: several hand-offs of the GIL per key, which a 64-chunk lookup paid
         hundreds of times while the engine's loop, fetches and write-behind wanted the
-        GIL too. The deadline is checked between stats; a stat stuck in the kernel (a
-        hung network mount) holds this thread, as a read does (``read_file``).
+        GIL too. ``fast_io.files_exist`` stats the whole list in one release of the GIL
+        (natively; one release per file in Python). The deadline is checked between
+        stats; a stat stuck in the kernel (a hung network mount) holds this thread, as a
+        read does (``read_file``).
         """
         op, what = "contains_many", f"{len(lkeys)} keys"
         deadline = time.monotonic() + self.settings.timeout_s
@@ -286,13 +288,12 @@ class L3Store(L3Channel):
         fs = inner_connector(conn)
         if not isinstance(fs, FSConnector):
             return None
-        found = []
-        for lkey in lkeys:
-            if time.monotonic() > deadline:
-                msg = f"no answer within {self.settings.timeout_s}s"
-                raise self._fail("timeout", msg, op, what, conn)
+        try:
             # As FSConnector.exists: an error (a missing directory) means absent.
-            found.append(os.path.exists(fs._get_file_path(lkey)))
+            found = fast_io.files_exist([fs._get_file_path(lkey) for lkey in lkeys], deadline)
+        except fast_io.DeadlinePassed as e:
+            msg = f"no answer within {self.settings.timeout_s}s ({e.args[0]} of {len(lkeys)})"
+            raise self._fail("timeout", msg, op, what, conn) from e
         self._succeeded()
         return found
 
@@ -310,7 +311,7 @@ class L3Store(L3Channel):
             return None
         if not isinstance(fs, FSConnector):
             return None
-        return [file_resident(fs._get_file_path(lkey)) for lkey in lkeys]
+        return fast_io.files_resident([fs._get_file_path(lkey) for lkey in lkeys])
 
     def remove(self, key: str) -> bool:
         """True if the object was there and is now gone."""

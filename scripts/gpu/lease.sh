@@ -109,6 +109,10 @@
 #   soak-switch  soak-alt1 with l3.switch_interval_ms null (Python's 5 ms GIL switch
 #             interval kept): whether the idle connector's cost is the 0.5 ms interval
 #             (about 8 min): /root/soak-switch
+#   soak-spy  soak-switch's pair (the baseline 75 s, then ours 120 s, its first 90 s idle)
+#             under py-spy (every process, every thread, idle samples too, 100 Hz): where
+#             the idle connector engine's step time goes (about 7 min; needs the py-spy
+#             wheel staged in /root/wheels before setup.sh): /root/soak-spy
 #   soak-final  issue 10's 10-minute soak (600 s, disk full, outage and corrupted units every
 #             60 s after a 60 s idle phase, the baseline first, 16 replays; about 15 min):
 #             /root/soak-final
@@ -297,6 +301,11 @@ declare -A CMD=(
   [soak-switch]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-switch --no-faults \
     --baseline-first --baseline-seconds 75 --seconds 165 --idle-seconds 60 --replay-n 4 \
     --l3-switch-interval-ms none"
+  [soak-spy]="mkdir -p /root/soak-spy && /root/site/bin/py-spy record --subprocesses \
+    --nonblocking --threads --idle --format raw -r 100 -o /root/soak-spy/spy.raw -- \
+    vllm-draft-offload soak --fixtures /root/fx --out /root/soak-spy --no-faults --baseline-first \
+    --baseline-seconds 75 --seconds 120 --idle-seconds 90 --replay-n 2; \
+    gzip -f /root/soak-spy/spy.raw"
   [soak-final]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-final --seconds 600 \
     --faults disk_full,outage,corrupt --fault-period 60 --baseline-first --baseline-seconds 90 \
     --idle-seconds 60 --replay-n 16"
@@ -345,7 +354,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|soak-null|soak-switch|soak-final|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|soak-null|soak-switch|soak-spy|soak-final|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -404,10 +413,11 @@ collect)
   cp /root/restore_speed_*.json /root/l3_stages*.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
   for d in copy copy-table; do [ -d "/root/$d" ] && cp -r "/root/$d" "$C"/; done
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
-  for d in soak-order soak-order-stores soak-alt1 soak-alt2 soak-null soak-switch soak-final; do
+  for d in soak-order soak-order-stores soak-alt1 soak-alt2 soak-null soak-switch soak-spy soak-final; do
     [ -f "/root/$d/soak.md" ] && mkdir -p "$C/$d" &&
       cp "/root/$d/soak.json" "/root/$d/soak.md" "/root/$d/soak.png" "$C/$d"/
   done
+  [ -f /root/soak-spy/spy.raw.gz ] && mkdir -p "$C/soak-spy" && cp /root/soak-spy/spy.raw.gz "$C/soak-spy"/
   tar -czf /root/lease.tgz -C /root collect
   if [ "$(stat -c %s /root/lease.tgz)" -le $((15 << 20)) ]; then
     cp /root/lease.tgz "$OUT"/
