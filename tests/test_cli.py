@@ -38,6 +38,7 @@ SHARED = {
     "soak": {FIX, OUT, EAGER},
     "serve-bench": {FIX, OUT, EAGER},
     "dashboard-render": {OUT},
+    "spy-report": {OUT},
 }
 
 

@@ -54,6 +54,11 @@ COMMANDS: tuple[Command, ...] = (
     Command("soak", "stress.soak", "long mixed load while storage fails: crashes, memory, TTFT"),
     Command("serve-bench", "serve.run", "vllm bench serve on vllm serve, with/without connector"),
     Command("dashboard-render", "serve.dashboard", "the Grafana dashboard as a PNG from scrapes"),
+    Command(
+        "spy-report",
+        "stress.spy_report",
+        "where engine threads' time goes, from a py-spy raw profile",
+    ),
 )
 BY_NAME: dict[str, Command] = {c.name: c for c in COMMANDS}
 
@@ -62,7 +67,7 @@ EXAMPLES = f"""shared options, spelled the same in every command that has them:
   --out PATH        where results go: a directory (fixtures, bench, shared-storage,
                     pressure, soak, serve-bench) or a file (accept, table,
                     restore-speed, copy-speed, decode-overhead, hook-cost,
-                    l3-speed, l3-stages, dashboard-render)
+                    l3-speed, l3-stages, dashboard-render, spy-report)
   --enforce-eager   engines without CUDA graphs: faster starts (the default of
                     pressure and soak, whose --compile turns it off)
 
