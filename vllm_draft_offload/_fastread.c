@@ -37,6 +37,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -362,30 +363,25 @@ static const char **fs_paths(PyObject *seq, PyObject **held, Py_ssize_t *count) 
     return paths;
 }
 
-PyDoc_STRVAR(files_exist_doc,
-"files_exist(paths, deadline) -> bytes\n\n"
-"For each path, 1 if stat() succeeds (os.path.exists), else 0. Raises\n"
-"DeadlinePassed(done) when time.monotonic passed the deadline before path `done`.\n"
-"The GIL is released for the whole call.");
+/* One answer byte per path, probe(path, state) each, in one release of the GIL: the
+   loop of files_exist and files_resident. NULL with DeadlinePassed(done) set when
+   time.monotonic passed the deadline before path `done`, or with the error of bad input. */
+typedef char (*file_probe)(const char *path, void *state);
 
-static PyObject *files_exist(PyObject *self, PyObject *args) {
-    PyObject *seq, *held = NULL;
-    double deadline;
+static PyObject *probe_files(PyObject *seq, double deadline, file_probe probe, void *state) {
+    PyObject *held = NULL;
     Py_ssize_t count = 0, done = 0;
-    if (!PyArg_ParseTuple(args, "Od:files_exist", &seq, &deadline))
-        return NULL;
     const char **paths = fs_paths(seq, &held, &count);
     if (paths == NULL)
         return NULL;
     PyObject *result = PyBytes_FromStringAndSize(NULL, count);
     if (result != NULL) {
-        char *found = PyBytes_AS_STRING(result);
+        char *answers = PyBytes_AS_STRING(result);
         Py_BEGIN_ALLOW_THREADS
-        struct stat st;
         for (; done < count; done++) {
             if (monotonic_now() > deadline)
                 break;
-            found[done] = stat(paths[done], &st) == 0;
+            answers[done] = probe(paths[done], state);
         }
         Py_END_ALLOW_THREADS
         if (done < count) {
@@ -398,11 +394,37 @@ static PyObject *files_exist(PyObject *self, PyObject *args) {
     return result;
 }
 
+static char file_exists(const char *path, void *state) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+PyDoc_STRVAR(files_exist_doc,
+"files_exist(paths, deadline) -> bytes\n\n"
+"For each path, 1 if stat() succeeds (os.path.exists), else 0. Raises\n"
+"DeadlinePassed(done) when time.monotonic passed the deadline before path `done`.\n"
+"The GIL is released for the whole call.");
+
+static PyObject *files_exist(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "Od:files_exist", &seq, &deadline))
+        return NULL;
+    return probe_files(seq, deadline, file_exists, NULL);
+}
+
 enum residency { NOT_RESIDENT = 0, RESIDENT = 1, UNKNOWN = 2 };
+
+/* mincore's answer vector, grown as larger files come, reused across a call's files. */
+struct residency_state {
+    unsigned char *vec;
+    size_t len;
+};
 
 /* As l3_residency.file_resident: a missing file is not resident (a fetch of it would
    fail); one that cannot be opened, is empty, or cannot be mapped or asked is unknown. */
-static enum residency file_residency(const char *path, unsigned char **vec, size_t *vec_len) {
+static char file_residency(const char *path, void *state) {
+    struct residency_state *pages_of = state;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return errno == ENOENT ? NOT_RESIDENT : UNKNOWN;
@@ -412,21 +434,21 @@ static enum residency file_residency(const char *path, unsigned char **vec, size
         size_t size = (size_t)st.st_size;
         long page = sysconf(_SC_PAGESIZE);
         size_t pages = (size + (size_t)page - 1) / (size_t)page;
-        if (pages > *vec_len) {
-            unsigned char *grown = realloc(*vec, pages);
+        if (pages > pages_of->len) {
+            unsigned char *grown = realloc(pages_of->vec, pages);
             if (grown != NULL) {
-                *vec = grown;
-                *vec_len = pages;
+                pages_of->vec = grown;
+                pages_of->len = pages;
             }
         }
-        void *addr = pages <= *vec_len ? mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0)
-                                       : MAP_FAILED;
+        void *addr = pages <= pages_of->len ? mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0)
+                                            : MAP_FAILED;
         if (addr != MAP_FAILED) {
-            if (mincore(addr, size, *vec) == 0) {
+            if (mincore(addr, size, pages_of->vec) == 0) {
                 answer = RESIDENT;
                 /* only the lowest bit of each byte is defined (resident) */
                 for (size_t i = 0; i < pages; i++)
-                    if (!((*vec)[i] & 1)) {
+                    if (!(pages_of->vec[i] & 1)) {
                         answer = NOT_RESIDENT;
                         break;
                     }
@@ -435,7 +457,7 @@ static enum residency file_residency(const char *path, unsigned char **vec, size
         }
     }
     close(fd);
-    return answer;
+    return (char)answer;
 }
 
 PyDoc_STRVAR(files_resident_doc,
@@ -445,26 +467,12 @@ PyDoc_STRVAR(files_resident_doc,
 "The GIL is released for the whole call.");
 
 static PyObject *files_resident(PyObject *self, PyObject *args) {
-    PyObject *seq, *held = NULL;
-    Py_ssize_t count = 0;
+    PyObject *seq;
     if (!PyArg_ParseTuple(args, "O:files_resident", &seq))
         return NULL;
-    const char **paths = fs_paths(seq, &held, &count);
-    if (paths == NULL)
-        return NULL;
-    PyObject *result = PyBytes_FromStringAndSize(NULL, count);
-    if (result != NULL) {
-        char *answers = PyBytes_AS_STRING(result);
-        unsigned char *vec = NULL;
-        size_t vec_len = 0;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++)
-            answers[i] = (char)file_residency(paths[i], &vec, &vec_len);
-        free(vec);
-        Py_END_ALLOW_THREADS
-    }
-    PyMem_Free(paths);
-    Py_DECREF(held);
+    struct residency_state pages_of = {NULL, 0};
+    PyObject *result = probe_files(seq, INFINITY, file_residency, &pages_of);
+    free(pages_of.vec);
     return result;
 }
 
