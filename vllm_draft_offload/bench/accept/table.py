@@ -20,6 +20,7 @@ from vllm_draft_offload.bench.accept.plans import (
     RESTORED_STORAGE,
 )
 from vllm_draft_offload.bench.accept.schema import AcceptCheckResult, Comparison
+from vllm_draft_offload.bench.markdown import table as markdown_table
 from vllm_draft_offload.bench.options import command_parser
 
 Results = dict[tuple[str, str], AcceptCheckResult]  # (drafter, connector) -> result
@@ -159,25 +160,20 @@ def _ordered(found: set[str], known: dict[str, str]) -> list[str]:
     return [k for k in known if k in found] + sorted(found - known.keys())
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def render(results: Results) -> str:
     drafters = _ordered({d for d, _ in results}, DRAFTERS)
     # the known connectors always get a column (missing runs show as "–")
     found = {c for _, c in results if c not in SENSITIVITY_RUNS}
     connectors = _ordered(found | CONNECTORS.keys(), CONNECTORS)
     out = [env_line(results), "", "### A. Sensitivity (draft KV of the cached prefix zeroed)", ""]
-    out += _table(
+    out += markdown_table(
         ["drafter", "AL intact", "AL corrupted", "drop", "pass (≥ 30%)", "outputs equal"],
         [sensitivity_row(d, results.get((d, "corrupt"))) for d in drafters],
     )
     if any(c == "corrupt_window" for _, c in results):
         out += ["", "### A2. Sensitivity (target's sliding-window KV of the cached prefix zeroed)"]
         out += ["", "Pass: some output changed, or acceptance moved by ≥ 30%.", ""]
-        out += _table(
+        out += markdown_table(
             ["drafter", "AL intact", "AL corrupted", "drop", "pass", "outputs equal"],
             [
                 sensitivity_row(d, results.get((d, "corrupt_window")), EXTENDED_CORRUPT_WINDOW)
@@ -185,7 +181,7 @@ def render(results: Results) -> str:
             ],
         )
     out += ["", "### B. Restored/fresh acceptance", "", LEGEND_B, ""]
-    out += _table(
+    out += markdown_table(
         ["drafter"] + [CONNECTORS.get(c, c) for c in connectors],
         [
             [DRAFTERS.get(d, d)] + [acceptance_cell(results.get((d, c))) for c in connectors]

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from vllm_draft_offload.bench.markdown import table as markdown_table
 from vllm_draft_offload.bench.serve.scrape import Scrapes
 from vllm_draft_offload.metric_defs import (
     FALLBACKS,
@@ -219,15 +220,16 @@ def markdown(result: dict[str, Any]) -> str:
     rows = {name: _rows(run) for name, run in runs.items()}
     with_ratio = "none" in runs and "ours_cpu" in runs
     header = ["", *names] + (["ours_cpu / none"] if with_ratio else [])
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells_by_label = []
     for label in rows[names[0]]:
-        cells = [_fmt(rows[n][label][0], rows[n][label][1]) for n in names]
+        cells = [label, *(_fmt(rows[n][label][0], rows[n][label][1]) for n in names)]
         if with_ratio:
             ratio = None
             if label in RATIO_ROWS:
                 ratio = _ratio(rows["ours_cpu"][label][0] or 0.0, rows["none"][label][0] or 0.0)
             cells.append(_fmt(ratio, 2))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        cells_by_label.append(cells)
+    lines += markdown_table(header, cells_by_label)
     same = result.get("same_outputs")
     if same and same["of"]:
         scope = (

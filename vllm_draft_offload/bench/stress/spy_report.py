@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from vllm_draft_offload.bench.markdown import table as markdown_table
 from vllm_draft_offload.bench.options import PROG, command_parser
 
 EXAMPLES = f"""examples:
@@ -214,8 +215,8 @@ def engine_report(process: ProcessTally, top: int) -> dict[str, Any]:
 
 
 def table(header: str, rows: list[list[str]]) -> list[str]:
-    rule = "|" + "---|" * len(header.split(" | "))
-    return [f"| {header} |", rule, *("| " + " | ".join(row) + " |" for row in rows), ""]
+    """A table (its header's columns split at ` | `), then a blank line."""
+    return [*markdown_table(header.split(" | "), rows), ""]
 
 
 def row(label: str, share: dict[str, Any], digits: int = 1) -> list[str]:
