@@ -214,7 +214,7 @@ class PrefillEstimate:
         (at once while there is none). Fit when a price is asked for, not as each step's
         sample comes: a fit takes about a millisecond of the scheduler thread, vLLM steps
         tens of times a second, and prices are asked for only by storage lookups (py-spy
-        on an H100, session 23: refitting as samples came took 1.6 % of the engine thread)."""
+        on an H100, session 23: refitting as samples came took 1.8 % of the busy engine thread)."""
         if self._new and (self._coef is None or self._new >= REFIT_EVERY):
             self._new = 0
             coef = fit_steps(self._samples)
