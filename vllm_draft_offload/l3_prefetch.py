@@ -15,7 +15,9 @@ stores, cannot evict its head. `l3.hit_policy` decides how much of a storage
 hit is fetched (l3_cost.py). Under `cost`, `CostModel.may_wait` decides how long
 a request waits, counted from its lookup: always within 5 % of the estimated
 recompute of what it looks up plus what the chunks that landed save (all it gets
-while the storage is unmeasured, i.e. for the probe), and once the storage is
+while the storage is unmeasured, i.e. for the probe; a probe whose first round the
+lookup found not wholly in the page cache is not waited on at all: it runs in the
+background while the request recomputes), and once the storage is
 measured also in bounded bets past it: a slow lookup, a fetch's first round within
 1.5 x its estimated time if that is short (within 3 x and 15 % of the recompute if the
 lookup found the round in the page cache: l3_residency.py; a probe of resident files
@@ -62,6 +64,9 @@ SLOWER_THAN_RECOMPUTE = "slower_than_recompute"
 NOT_LOOKED_UP = "not_looked_up"
 SPEED_UNKNOWN = "speed_unknown"
 FETCH_TOO_SLOW = "fetch_too_slow"
+# Hits on storage not timed yet whose first round the page cache does not hold: the
+# request recomputes at once while a probe times the storage in the background.
+COLD_UNMEASURED = "cold_unmeasured"
 # Chosen chunks that found no CPU-tier slot (every slot storing, loading, pinned for a
 # waiting request or queued for an L3 write) by the time the request stopped waiting.
 NO_FREE_SLOT = "no_free_slot"
@@ -348,6 +353,18 @@ class L3Prefetch:
             self._fetch_chunks(req_id, state, keys, first, hits, "fetch")
             return
         state.progress = time.monotonic()
+        if storage.samples == 0 and state.decision.first_round_resident is False:
+            # Storage speed unknown and the page cache lacks the first round: a probe
+            # the request waited on would most likely cost it the whole allowance
+            # (H100, session 23: the first cold prompt after a restart took 1.05-1.07 x
+            # recompute). Recompute at once; the probe times the storage for later
+            # requests and its units land in the CPU tier.
+            sent = self.background.probe(keys[first : first + hits])
+            if sent:
+                state.decision.probe = f"{_units(sent)} in the background"
+            self.stats.record_l3_declined(COLD_UNMEASURED, hits)
+            self._finish(state, "declined:" + COLD_UNMEASURED, 0)
+            return
         if storage.samples == 0:
             # Storage speed unknown: the probe is a round of PROBE_UNITS units, few
             # enough to land within the wait allowance on fast storage, and two, to

@@ -49,6 +49,8 @@ FALLBACK_CAUSES: Final[tuple[str, ...]] = (
 # not_looked_up: the lookup was skipped since even a full hit would be slower;
 # speed_unknown: not looked up since the engine's prefill speed is not known yet;
 # fetch_too_slow: the lookup or fetch did not land within the request's wait allowance;
+# cold_unmeasured: storage not timed yet and the fetch's first round not in the page
+# cache: recomputed at once while a probe times the storage in the background;
 # no_free_slot: chunks a fetch chose that found no CPU-tier slot while the request
 # waited (any hit policy; a tier smaller than the hit is also warned about in the log).
 L3_DECLINE_CAUSES: Final[tuple[str, ...]] = (
@@ -56,6 +58,7 @@ L3_DECLINE_CAUSES: Final[tuple[str, ...]] = (
     "not_looked_up",
     "speed_unknown",
     "fetch_too_slow",
+    "cold_unmeasured",
     "no_free_slot",
 )
 # Storage-tier thread work (l3_thread_seconds): what the threads did, and which clock.
