@@ -9,6 +9,7 @@ import torch
 from kv_sim import SimEngine, SimSetup, prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from vllm_draft_offload import pair_kernel
 from vllm_draft_offload.config import ConfigError
 from vllm_draft_offload.connector import DraftOffloadConnector
 from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
@@ -92,7 +93,7 @@ def test_copy_path_setting_round_trips_and_stores_are_timed(
     eng = engine(model_dirs, extra_config={"copy_path": copy_path})
     worker = eng.worker.worker
     assert worker.copier.setting == copy_path and worker.copier.path == copy_path
-    launches: list[int] = []
+    launches: list[int] = []  # bytes of each kernel launch, either kernel
     kernel = worker.copier.kernel
     if kernel is not None:
         copy = kernel.copy
@@ -101,6 +102,16 @@ def test_copy_path_setting_round_trips_and_stores_are_timed(
             "copy",
             lambda desc, stream: launches.append(desc.num_bytes) or copy(desc, stream),
         )
+    pairs = worker.pair_copier.kernel
+    if pairs is not None:
+        copy_pairs = pairs.copy
+
+        def count(table, first_pair, n_pairs, first_row, n_rows, to_host, stream):  # type: ignore[no-untyped-def]
+            rows = pairs.layers[first_row : first_row + n_rows, pair_kernel.PAGE_BYTES]
+            launches.append(n_pairs * int(rows.sum()))
+            copy_pairs(table, first_pair, n_pairs, first_row, n_rows, to_host, stream)
+
+        monkeypatch.setattr(pairs, "copy", count)
     tokens = prompt(3, 2 * CHUNK + 3)
     eng.take_published()
     eng.add_request("fresh", tokens, max_tokens=2)
@@ -114,9 +125,11 @@ def test_copy_path_setting_round_trips_and_stores_are_timed(
     eng.run_prefill("restored")
     assert eng.external_hits["restored"] == 2 * CHUNK
     assert eng.mismatched_positions("restored") == []
-    # Stores of two chunks, then their load: every layer of it in one launch.
+    # Stores of two chunks, then their load: all by the pair kernel, a launch per
+    # KV-cache group (target and draft layers in separate groups).
     if copy_path == "kernel":
-        assert sum(launches) == 4 * unit and launches[-1] == 2 * unit
+        groups = len(worker.layout.groups)
+        assert sum(launches) == 4 * unit and sum(launches[-groups:]) == 2 * unit
     elif copy_path == "memcpy":
         assert launches == []
 

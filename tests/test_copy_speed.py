@@ -40,6 +40,8 @@ def test_dry_run_reports_every_page_size_direction_and_path(tmp_path: Path) -> N
         if r["setting"] != "auto":
             assert r["path"] == f"{r['setting']} (cpu)"
             assert r["kernel_copies"] == (count if r["setting"] == "kernel" else 0)
+            # What the connector runs: the pair kernel for kernel, DMA for memcpy.
+            assert r["pair_kernel"] == (r["setting"] == "kernel")
     # auto runs last, with the table derived from this run's kernel and memcpy rows.
     assert [r["setting"] for r in rows][-6:] == ["auto"] * 6
     assert report["auto_rules_source"] == "derived from this run"
@@ -48,6 +50,7 @@ def test_dry_run_reports_every_page_size_direction_and_path(tmp_path: Path) -> N
             rule = report["auto_rules"][r["direction"]]
             to_kernel = r["page_bytes"] <= rule["max_bytes"]
             assert r["kernel_copies"] == ((1 << 20) // r["page_bytes"] if to_kernel else 0)
+            assert r["pair_kernel"] == to_kernel
     summary = report["summary"]
     assert summary["all_bit_exact"] is True
     for direction in ("load", "store"):
@@ -108,13 +111,15 @@ def test_scattered_pages_never_merge_and_a_wrong_copy_is_caught() -> None:
             rig.pool.base, rig.device.data_ptr(), page, count, seed=3
         )
         assert len(set(blocks.tolist())) == count and blocks.max() < 2 * count
+        assert blocks.min() > 0  # never vLLM's null block
         assert len(load.coalesced().sizes) == count  # no two pages merge
         engine = CopyEngine("auto", rig.pool, [page], on_device=False)
         assert rig.bit_exact(engine, load, "load", blocks, page)
         assert rig.bit_exact(engine, store, "store", blocks, page)
         short = load.select(np.arange(count) != 5)  # one page left behind
         assert not rig.bit_exact(engine, short, "load", blocks, page)
-        stray = copy_speed.Descriptors(load.src, load.dst + page, load.sizes)  # off by a block
+        # Off by a block (the one before: blocks are odd, the last is the tensor's last).
+        stray = copy_speed.Descriptors(load.src, load.dst - page, load.sizes)
         assert not rig.bit_exact(engine, stray, "load", blocks, page)
     finally:
         rig.close()

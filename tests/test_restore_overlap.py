@@ -71,21 +71,21 @@ def hook_reads(
 def load_copy_slots(eng: SimEngine, on_copy: Callable[[set[int]], None]) -> None:
     """Call `on_copy(host slots)` for every host-to-GPU copy batch of rank 0."""
     worker: DraftOffloadWorker = eng.worker.worker
-    assert worker.copier is not None and worker.pool is not None
-    copier, pool = worker.copier, worker.pool
+    assert worker.pair_copier is not None
+    copier = worker.pair_copier
     real = copier.run_layers
 
-    def run_layers(descs: Any, direction: str, stream: Any) -> Any:
+    def run_layers(batch: Any, order: Any, direction: str, stream: Any) -> Any:
         if direction == "load":
+            per_unit = [r.pages_per_unit for r in worker.regions]
             on_copy(
                 {
-                    (int(src) - pool.base) // pool.unit_bytes
-                    for desc in descs
-                    for src in desc.src
-                    if pool.base <= int(src) < pool.base + pool.buffer.numel()
+                    int(page) // per_unit[rows[0]]
+                    for pages, rows in zip(batch.host_pages, copier.copies.group_rows, strict=True)
+                    for page in pages
                 }
             )
-        return real(descs, direction, stream)
+        return real(batch, order, direction, stream)
 
     copier.run_layers = run_layers  # type: ignore[method-assign]
 

@@ -62,9 +62,10 @@ def test_a_steps_store_jobs_go_as_one_copy_and_restore_exactly(
     eng = SimEngine(*model_dirs, SimSetup())
     worker = eng.worker.worker
     copies: list[tuple[str, int]] = []
-    run = worker.copier.run
-    worker.copier.run = lambda desc, direction, stream: (
-        copies.append((direction, desc.num_bytes)) or run(desc, direction, stream)
+    copier = worker.pair_copier
+    run = copier.run
+    copier.run = lambda pairs, direction, stream: (
+        copies.append((direction, copier.batch_bytes(pairs)[0])) or run(pairs, direction, stream)
     )
     prompts = {f"r{i}": prompt(20 + i, 2 * CHUNK + 3) for i in range(3)}
     for req_id, tokens in prompts.items():

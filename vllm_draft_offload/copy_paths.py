@@ -27,6 +27,10 @@ many each time up to ``PIECE_DESCRIPTORS``), so the GPU copies one group while t
 plans the next; in each group the kernel's share of its
 layers first, then each layer's DMA share, and after a layer's last group its event,
 so a layer whose pages all move by DMA is still waited for alone.
+
+The connector's CPU-tier loads and stores reach this engine through
+``copy_routes.PairCopier``, which moves whole layers by the pair kernel where it can
+(no per-descriptor planning) and hands the other layers here as descriptors.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from vllm_draft_offload.metadata import TransferJob
-from vllm_draft_offload.transfers import Descriptors, UnitCopies
+from vllm_draft_offload.transfers import PairBatch, UnitCopies
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +98,11 @@ class OverlapLoads:
                 load.abandoned = True
 
     def copies_due(
-        self, copies: UnitCopies, layer_names: list[str]
-    ) -> list[tuple[OverlapLoad, list[tuple[int, dict[str, Descriptors]]]]]:
+        self, copies: UnitCopies
+    ) -> list[tuple[OverlapLoad, list[tuple[int, PairBatch]]]]:
         """Per load, the units to copy now (their fetch landed, or they need none) with
-        their copies per layer; settles failed ones. The caller issues them and calls
-        `issued`."""
+        their checked (host page, GPU block) pairs; settles failed ones. The caller
+        issues them and calls `issued`."""
         due = []
         for load in self._loads.values():
             planned = []
@@ -111,7 +111,7 @@ class OverlapLoads:
                     continue
                 unit = load.job.overlap_units[index]
                 try:
-                    layers = copies.layers(unit.host_pages, unit.gpu_blocks, to_host=False)
+                    pairs = copies.pairs(unit.host_pages, unit.gpu_blocks)
                 except ValueError as exc:
                     logger.warning(
                         "DraftOffloadConnector: load job %d unit %d refused: %s",
@@ -121,7 +121,7 @@ class OverlapLoads:
                     )
                     load.states[index] = NOT_LOADED  # reported like a failed fetch
                     continue
-                planned.append((index, dict(zip(layer_names, layers, strict=True))))
+                planned.append((index, pairs))
             if planned:
                 due.append((load, planned))
         return due

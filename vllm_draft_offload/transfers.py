@@ -108,6 +108,24 @@ class Descriptors:
         )
 
 
+@dataclass(frozen=True)
+class PairBatch:
+    """A batch's checked (host page, GPU block) pairs, per KV-cache group."""
+
+    host_pages: list[np.ndarray]
+    gpu_blocks: list[np.ndarray]
+
+    @staticmethod
+    def concat(parts: list[PairBatch], num_groups: int) -> PairBatch:
+        def join(arrays: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+        return PairBatch(
+            [join([p.host_pages[g] for p in parts]) for g in range(num_groups)],
+            [join([p.gpu_blocks[g] for p in parts]) for g in range(num_groups)],
+        )
+
+
 def layer_descriptors(
     region: LayerRegion,
     pool: HostPool,
@@ -153,6 +171,7 @@ class UnitCopies:
         self._rows: list[list[int]] = [
             [i for i, r in enumerate(regions) if r.group_index == g] for g in range(num_groups)
         ]
+        self.group_rows = self._rows  # each group's region indices, in region order
 
         def column(values: list[int]) -> np.ndarray:
             return np.array(values, dtype=np.int64).reshape(-1, 1)
@@ -200,6 +219,15 @@ class UnitCopies:
             src, dst, sizes = groups[g]
             out.append(Descriptors(src[k], dst[k], np.ascontiguousarray(sizes[k])))
         return out
+
+    def pairs(self, host_pages: list[list[int]], gpu_blocks: list[list[int]]) -> PairBatch:
+        """A job's pairs per group, after the checks of ``layer_descriptors``: what the
+        pair kernel needs (``copy_routes.py``), without any layer's addresses."""
+        pages = [np.asarray(p, dtype=np.int64) for p in host_pages]
+        blocks = [np.asarray(b, dtype=np.int64) for b in gpu_blocks]
+        for g, rows in enumerate(self._rows):
+            _check_pairs(self.regions[rows[0]], self.pool, pages[g], blocks[g])
+        return PairBatch(pages, blocks)
 
     def unit(
         self, host_pages: list[list[int]], gpu_blocks: list[list[int]], to_host: bool

@@ -32,6 +32,7 @@ from vllm_draft_offload.async_loads import AsyncLoads
 from vllm_draft_offload.audit import RecomputeComparer
 from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.copy_paths import CopyEngine
+from vllm_draft_offload.copy_routes import PairCopier
 from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
@@ -41,9 +42,9 @@ from vllm_draft_offload.metadata import (
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.overlap_loads import OverlapLoads, remembered_fetches
 from vllm_draft_offload.transfers import (
-    Descriptors,
     HostPool,
     LayerRegion,
+    PairBatch,
     UnitCopies,
     build_layer_regions,
 )
@@ -100,6 +101,7 @@ class DraftOffloadWorker:
         self.layout: UnitLayout | None = None
         self.pool: HostPool | None = None
         self.copier: CopyEngine | None = None
+        self.pair_copier: PairCopier | None = None  # CPU-tier loads and stores
         self.regions: list[LayerRegion] = []
         self._copies: UnitCopies | None = None
         self._aliases: dict[str, str] = {}
@@ -155,6 +157,7 @@ class DraftOffloadWorker:
             [slot.page_bytes for slot in layout.layers],
             self._on_device,
         )
+        self.pair_copier = PairCopier(self._copies, self.copier)
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
@@ -189,13 +192,11 @@ class DraftOffloadWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def _ordered_regions(self) -> list[LayerRegion]:
+    def _ordered_regions(self) -> list[int]:
         # Target layers first: the drafter runs after the whole target forward.
-        return sorted(self.regions, key=lambda r: r.slot.is_draft)
+        return sorted(range(len(self.regions)), key=lambda i: self.regions[i].slot.is_draft)
 
-    def _valid_loads(
-        self, jobs: list[TransferJob]
-    ) -> list[tuple[TransferJob, dict[str, Descriptors]]]:
+    def _valid_loads(self, jobs: list[TransferJob]) -> list[tuple[TransferJob, PairBatch]]:
         """Jobs whose copies can be built, with their copies per layer; the rest are
         reported for recompute."""
         valid = []
@@ -211,11 +212,7 @@ class DraftOffloadWorker:
                 self._failed_load_jobs.add(job.job_id)
             assert self._copies is not None
             try:
-                layers = self._copies.layers(job.host_pages, job.gpu_blocks, to_host=False)
-                copies = {
-                    region.slot.name: desc
-                    for region, desc in zip(self.regions, layers, strict=True)
-                }
+                copies = self._copies.pairs(job.host_pages, job.gpu_blocks)
             except ValueError as exc:
                 logger.warning("DraftOffloadConnector: load job %d refused: %s", job.job_id, exc)
                 self._fail_load(job, "load_error")
@@ -261,20 +258,20 @@ class DraftOffloadWorker:
         if not planned:
             return
         loads = [job for job, _ in planned]
-        regions = self._ordered_regions()
-        descs = [Descriptors.concat([c[r.slot.name] for _, c in planned]) for r in regions]
+        order = self._ordered_regions()
+        batch = PairBatch.concat([pairs for _, pairs in planned], len(self._copies.group_rows))
         if self._on_device:
             assert self._load_stream is not None
             # New blocks may have been written by the previous step's kernels.
             self._load_stream.wait_stream(torch.cuda.current_stream())
         chunks = self._num_chunks(loads) if self.counts_chunks else 0
-        keepalive, events = self._run_loads(regions, descs, chunks)
+        keepalive, events = self._run_loads(order, batch, chunks)
         last_event: torch.Event | None = None
-        for region, event in zip(regions, events, strict=True):
+        for layer, event in zip(order, events, strict=True):
             if event is not None:
                 last_event = event
                 if not self.async_loads:
-                    self._layer_events[region.slot.name] = event
+                    self._layer_events[self.regions[layer].slot.name] = event
         if self.async_loads:
             # No forward reads these blocks before every worker reports the
             # request in finished_recving: no waits, only the final event.
@@ -289,22 +286,21 @@ class DraftOffloadWorker:
                 self._worker_meta.completed_jobs[job.job_id] = 1
 
     def _run_loads(
-        self, regions: list[LayerRegion], descs: list[Descriptors], chunks: int
+        self, order: list[int], batch: PairBatch, chunks: int
     ) -> tuple[list[torch.Tensor], list[torch.Event | None]]:
-        """Copy host pages to GPU blocks, one batch per layer of `regions` (on the load
-        stream, after what it already waits for), timed as one load of `chunks`."""
+        """Copy host pages to GPU blocks, the layers `order` names in that order (on the
+        load stream, after what it already waits for), timed as one load of `chunks`."""
         started = time.perf_counter()
-        num_bytes = {True: 0, False: 0}
         start_event = None
         if self._on_device:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record(self._load_stream)
-        assert self.copier is not None
-        for region, desc in zip(regions, descs, strict=True):
-            num_bytes[region.slot.is_draft] += desc.num_bytes
-        # Every layer's small pages in one kernel launch, then each layer's DMA share,
-        # with an event per layer (copy_paths.py).
-        keepalive, events = self.copier.run_layers(descs, "load", self._load_stream)
+        assert self.pair_copier is not None
+        total, draft = self.pair_copier.batch_bytes(batch)
+        num_bytes = {False: total - draft, True: draft}
+        # The pair kernel's layers in a few launches (copy_routes.py), the rest split
+        # between the address-table kernel and DMA (copy_paths.py); an event per layer.
+        keepalive, events = self.pair_copier.run_layers(batch, order, "load", self._load_stream)
         last_event = next((event for event in reversed(events) if event is not None), None)
         if start_event is not None and last_event is not None:
             self._timed_loads.append(
@@ -340,7 +336,7 @@ class DraftOffloadWorker:
         if not self._overlap:
             return
         assert self._copies is not None
-        planned = self._overlap.copies_due(self._copies, [r.slot.name for r in self.regions])
+        planned = self._overlap.copies_due(self._copies)
         if not planned:
             return
         if self._on_device:
@@ -348,13 +344,11 @@ class DraftOffloadWorker:
             for load, _ in planned:
                 if load.after is not None:
                     self._load_stream.wait_event(load.after)
-        regions = self._ordered_regions()
-        descs = [
-            Descriptors.concat([c[r.slot.name] for _, copies in planned for _, c in copies])
-            for r in regions
-        ]
+        batch = PairBatch.concat(
+            [pairs for _, copies in planned for _, pairs in copies], len(self._copies.group_rows)
+        )
         chunks = sum(len(copies) for _, copies in planned) if self.counts_chunks else 0
-        keepalive, events = self._run_loads(regions, descs, chunks)
+        keepalive, events = self._run_loads(self._ordered_regions(), batch, chunks)
         last_event = next((event for event in reversed(events) if event is not None), None)
         for load, copies in planned:
             self._overlap.issued(load, [index for index, _ in copies], last_event, keepalive)
@@ -393,8 +387,7 @@ class DraftOffloadWorker:
         failed_jobs, self._failed_load_jobs = self._failed_load_jobs, set()
         assert self._copies is not None
         batch: list[InflightStore] = []
-        parts: list[Descriptors] = []
-        draft_bytes = 0
+        parts: list[PairBatch] = []
         for job in meta.stores:
             if job.req_id in failed_reqs or failed_jobs.intersection(job.after_loads):
                 logger.warning(
@@ -406,44 +399,43 @@ class DraftOffloadWorker:
                 self._stores.add(InflightStore(job, None, failed_cause="store_after_load_failure"))
                 continue
             try:
-                desc, draft = self._copies.unit(job.host_pages, job.gpu_blocks, to_host=True)
+                pairs = self._copies.pairs(job.host_pages, job.gpu_blocks)
             except ValueError as exc:
                 logger.warning("DraftOffloadConnector: store job %d refused: %s", job.job_id, exc)
                 self._stores.add(InflightStore(job, None, failed_cause="store_error"))
                 continue
-            parts.append(desc)
-            draft_bytes += draft
+            parts.append(pairs)
             batch.append(InflightStore(job, None))
-        self._issue_stores(batch, Descriptors.concat(parts), draft_bytes)
+        self._issue_stores(batch, PairBatch.concat(parts, len(self._copies.group_rows)))
 
-    def _issue_stores(
-        self, stores: list[InflightStore], desc: Descriptors, draft_bytes: int
-    ) -> None:
-        """The step's store jobs as one copy: one plan, one kernel launch and one DMA
-        batch, one pair of events (per job they cost a launch's CPU time each, on the
-        engine's critical path). The jobs complete together; the batch is timed as one
-        transfer, recorded with the first job."""
+    def _issue_stores(self, stores: list[InflightStore], pairs: PairBatch) -> None:
+        """The step's store jobs as one copy: one plan, a kernel launch per KV-cache
+        group (or the descriptor path's launch and DMA batch), one pair of events (per
+        job they cost a launch's CPU time each, on the engine's critical path). The jobs
+        complete together; the batch is timed as one transfer, recorded with the first
+        job."""
         if not stores:
             return
-        assert self.copier is not None
+        assert self.pair_copier is not None
         chunks = self._num_chunks([store.job for store in stores]) if self.counts_chunks else 0
         lead = stores[0]
-        lead.sizes = (desc.num_bytes - draft_bytes, draft_bytes, chunks)
-        if self._on_device and desc.num_bytes:
+        total, draft_bytes = self.pair_copier.batch_bytes(pairs)
+        lead.sizes = (total - draft_bytes, draft_bytes, chunks)
+        if self._on_device and total:
             assert self._store_stream is not None
             # After this step's forward and drafter wrote the KV, on the store stream;
             # timed there, recorded when it completes (get_transfer_results).
             self._store_stream.wait_stream(torch.cuda.current_stream())
             lead.start = torch.cuda.Event(enable_timing=True)
             lead.start.record(self._store_stream)
-            lead.keepalive = self.copier.run(desc, "store", self._store_stream)
+            lead.keepalive = self.pair_copier.run(pairs, "store", self._store_stream)
             end = torch.cuda.Event(enable_timing=True)
             end.record(self._store_stream)
             for store in stores:
                 store.event = end
         else:
             started = time.perf_counter()
-            self.copier.run(desc, "store", None)
+            self.pair_copier.run(pairs, "store", None)
             seconds = time.perf_counter() - started
             self.stats.record_transfer("store", "cpu", *lead.sizes, seconds)
         for store in stores:

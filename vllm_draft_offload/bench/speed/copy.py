@@ -6,7 +6,9 @@ For each page size, ``--total-mib`` of pages move between a page-locked host poo
 (registered like the connector's, with vLLM's ``host_register``) and every other
 device block of twice as many, in random order, so no two pages merge into one copy: the
 worst case for DMA, and what small models and drafters meet once the GPU's free-block
-queue is shuffled. Each batch runs through the connector's own ``CopyEngine`` with
+queue is shuffled. Each batch runs the way the connector runs a CPU-tier copy: as
+(host page, GPU block) pairs of one layer through its ``PairCopier`` (the pair kernel,
+or ``CopyEngine``'s descriptors where ``route_layers`` says so), with
 ``copy_path`` ``memcpy``, ``kernel`` and ``auto``, loads (host -> device) and stores
 (device -> host), timed with CUDA events on a side stream, best of ``--reps``; every
 path's bytes are checked bit for bit after its first pass. The limit is a pinned
@@ -48,6 +50,7 @@ import torch
 
 from vllm_draft_offload.bench.options import command_parser
 from vllm_draft_offload.copy_paths import CopyEngine, plan_copies
+from vllm_draft_offload.copy_routes import PairCopier, route_layers
 from vllm_draft_offload.copy_rules import (
     RULES_FILE,
     AutoRule,
@@ -56,9 +59,16 @@ from vllm_draft_offload.copy_rules import (
     rules_from_rows,
     write_rules,
 )
+from vllm_draft_offload.geometry import LayerSlot
 from vllm_draft_offload.metric_defs import Direction
 from vllm_draft_offload.page_kernel import BLOCK_BYTES, DEFAULT_PROGRAMS, NUM_WARPS
-from vllm_draft_offload.transfers import Descriptors, HostPool
+from vllm_draft_offload.transfers import (
+    Descriptors,
+    HostPool,
+    LayerRegion,
+    PairBatch,
+    UnitCopies,
+)
 
 EXAMPLES = """examples:
   vllm-draft-offload copy-speed --out $OUT/copy_speed.json
@@ -109,9 +119,10 @@ def scattered_pages(
     host_base: int, device_base: int, page_bytes: int, count: int, seed: int
 ) -> tuple[np.ndarray, Descriptors, Descriptors]:
     """``count`` host pages back to back, paired in random order with every other
-    device block of ``2 * count`` (no two ever adjacent, so none merge): (blocks, load
+    device block of ``2 * count`` (no two ever adjacent, so none merge; odd ones, as
+    block 0 is vLLM's null block, which the connector never copies): (blocks, load
     descriptors, store descriptors)."""
-    blocks = 2 * np.random.default_rng(seed).permutation(count).astype(np.int64)
+    blocks = 2 * np.random.default_rng(seed).permutation(count).astype(np.int64) + 1
     host = host_base + np.arange(count, dtype=np.int64) * page_bytes
     device = device_base + blocks * page_bytes
     sizes = np.full(count, page_bytes, dtype=np.int64)
@@ -135,8 +146,19 @@ class Rig:
     def close(self) -> None:
         self.pool.close()
 
+    def pair_copier(self, engine: CopyEngine, page: int, count: int) -> PairCopier:
+        """The connector's copier for one layer of ``page``-byte pages: ``count`` of them
+        fill the pool's one unit, the device tensor holds ``2 * count`` blocks."""
+        slot = LayerSlot("copy-speed", 0, page, 0, count * page, is_draft=False)
+        region = LayerRegion(slot, 0, count, self.device.data_ptr(), page, 2 * count)
+        return PairCopier(UnitCopies([region], self.pool), engine)
+
     def run(
-        self, engine: CopyEngine, desc: Descriptors, direction: str, hold_s: float = 0.0
+        self,
+        engine: CopyEngine | PairCopier,
+        desc: Descriptors | PairBatch,
+        direction: str,
+        hold_s: float = 0.0,
     ) -> tuple[float | None, float]:
         """(seconds, host seconds) of one batch. Seconds: GPU time between events on
         the side stream, or wall time on CPU. Without a hold the GPU waits for the
@@ -177,7 +199,12 @@ class Rig:
         return cycles / (begin.elapsed_time(end) / 1000)
 
     def bit_exact(
-        self, engine: CopyEngine, desc: Descriptors, direction: str, blocks: np.ndarray, page: int
+        self,
+        engine: CopyEngine | PairCopier,
+        desc: Descriptors | PairBatch,
+        direction: str,
+        blocks: np.ndarray,
+        page: int,
     ) -> bool:
         """One pass from known bytes into zeroed destinations, compared page by page."""
         count = len(blocks)
@@ -264,12 +291,15 @@ def measure_page(
         kernel_block_bytes=args.kernel_block_kib * 1024,
         kernel_warps=args.kernel_warps,
     )
+    copier = rig.pair_copier(engine, page, count)
+    batch = copier.copies.pairs([list(range(count))], [blocks.tolist()])
     for direction, desc in (("load", load), ("store", store)):
         plan = plan_copies(desc, direction, engine.path, engine.tile, engine.rules)  # type: ignore[arg-type]
-        exact = rig.bit_exact(engine, desc, direction, blocks, page)
-        timed = [rig.run(engine, desc, direction) for _ in range(args.reps)]
+        pair_kernel = route_layers(copier, batch, direction)[0]  # type: ignore[arg-type]
+        exact = rig.bit_exact(copier, batch, direction, blocks, page)
+        timed = [rig.run(copier, batch, direction) for _ in range(args.reps)]
         hold_s = 2 * max(host for _, host in timed) + HOLD_MARGIN_S
-        held = [rig.run(engine, desc, direction, hold_s)[0] for _ in range(args.reps)]
+        held = [rig.run(copier, batch, direction, hold_s)[0] for _ in range(args.reps)]
         gbps = [desc.num_bytes / s / 1e9 for s, _ in timed if s]
         covered = [desc.num_bytes / s / 1e9 for s in held if s]
         device_gbps = max(covered) if covered else None
@@ -279,8 +309,11 @@ def measure_page(
             "direction": direction,
             "setting": setting,
             "path": engine.path if rig.on_device else f"{engine.path} (cpu)",
-            "kernel_copies": len(plan.kernel.sizes),
-            "memcpy_copies": len(plan.memcpy.sizes),
+            # The pair kernel moves every page (no address table), else the descriptor
+            # path's split.
+            "pair_kernel": pair_kernel,
+            "kernel_copies": count if pair_kernel else len(plan.kernel.sizes),
+            "memcpy_copies": 0 if pair_kernel else len(plan.memcpy.sizes),
             "GBps": max(gbps),
             "GBps_median": statistics.median(gbps),
             "vs_pinned_memcpy": max(gbps) / limit,
