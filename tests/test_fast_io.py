@@ -399,15 +399,18 @@ def _took_beside_a_busy_thread(call: Callable[[], object]) -> float:
     switch interval: each time ``call`` gives the GIL up, taking it back can wait out an
     interval (5 ms) of the other thread."""
     stop = threading.Event()
+    spinning = threading.Event()
 
     def spin() -> None:
         while not stop.is_set():
+            spinning.set()
             sum(range(1000))
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(0.005)
     thread = threading.Thread(target=spin)
     thread.start()
+    spinning.wait(5)  # the other thread holds or wants the GIL before the clock starts
     try:
         started = time.perf_counter()
         call()
@@ -434,8 +437,16 @@ def test_the_native_probes_give_up_the_gil_once(
         assert all(fast_io.files_exist(paths, LATER))
         assert all(fast_io.files_resident(paths[:8]))
 
-    took = {}
-    for native in (False, True, False, True):
-        monkeypatch.setattr(fast_io, "NATIVE", native)
-        took[native] = min(took.get(native, 1e9), _took_beside_a_busy_thread(lookup))
-    assert took[True] < took[False] / 2, took
+    # Rounds until one shows it: a 2-core CI box can leave the busy thread unscheduled
+    # for a whole Python loop (0.3 ms for it against 10.5 ms native, once). A native call
+    # that took the GIL back per file loses every round.
+    rounds = []
+    for _ in range(3):
+        took = {}
+        for native in (False, True, False, True):
+            monkeypatch.setattr(fast_io, "NATIVE", native)
+            took[native] = min(took.get(native, 1e9), _took_beside_a_busy_thread(lookup))
+        rounds.append(took)
+        if took[True] < took[False] / 2:
+            return
+    pytest.fail(f"native probes no faster than the Python loop in any round: {rounds}")
