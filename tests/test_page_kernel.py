@@ -282,28 +282,22 @@ def test_any_split_moves_what_memmove_moves(
     assert np.array_equal(got[got_base:], want[want_base:])
 
 
-@pytest.mark.parametrize("tile", [16, 2048, 16 * 1024])
-def test_the_compiled_kernel_moves_16_bytes_per_access(tile: int) -> None:
-    """Compiled for an H100 (sm_90) without a GPU, by Triton's own compiler and ptxas:
-    every data access is a 16-byte vector load or store, and each thread has its whole
-    share of a 16 KiB block in flight (8 loads before the first store)."""
+def assert_16_byte_accesses_on_sm90(
+    kernel: object,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    attrs: dict[tuple[int, ...], list[list[object]]] | None = None,
+) -> None:
+    """Compile ``kernel`` for an H100 (sm_90) without a GPU, by Triton's own compiler and
+    ptxas: every data access is a 16-byte vector load or store, and each thread has its
+    whole share of a 16 KiB block in flight (all its loads before the first store)."""
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from triton.compiler import compile as triton_compile
     except ImportError as exc:  # pragma: no cover - a Triton without these entry points
         pytest.skip(f"Triton's compiler API is not there: {exc}")
-    source = ASTSource(
-        fn=page_kernel._jitted(False),
-        signature={
-            "table": "*i64",
-            "n_tiles": "i32",
-            "TILE_WORDS": "constexpr",
-            "ROWS": "constexpr",
-        },
-        constexprs={"TILE_WORDS": tile // 8, "ROWS": PageKernel(tile).rows},
-        attrs={(0,): [["tt.divisibility", 16]]},  # torch's allocations: the table is aligned
-    )
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
         compiled = triton_compile(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": page_kernel.NUM_WARPS}
@@ -314,3 +308,20 @@ def test_the_compiled_kernel_moves_16_bytes_per_access(tile: int) -> None:
     per_thread = page_kernel.BLOCK_BYTES // (page_kernel.NUM_WARPS * 32 * 16)
     assert ptx.count("ld.global.v2.b64") == per_thread == ptx.count("st.global.v2.b64")
     assert ptx.index("st.global.v2.b64") > ptx.rindex("ld.global.v2.b64")
+
+
+@pytest.mark.parametrize("tile", [16, 2048, 16 * 1024])
+def test_the_compiled_kernel_moves_16_bytes_per_access(tile: int) -> None:
+    """Every data access a 16-byte vector load or store, each thread's share of a 16 KiB
+    block in flight (8 loads before the first store)."""
+    assert_16_byte_accesses_on_sm90(
+        page_kernel._jitted(False),
+        signature={
+            "table": "*i64",
+            "n_tiles": "i32",
+            "TILE_WORDS": "constexpr",
+            "ROWS": "constexpr",
+        },
+        constexprs={"TILE_WORDS": tile // 8, "ROWS": PageKernel(tile).rows},
+        attrs={(0,): [["tt.divisibility", 16]]},  # torch's allocations: the table is aligned
+    )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from test_page_kernel import assert_16_byte_accesses_on_sm90
 
 from vllm_draft_offload import pair_kernel
 from vllm_draft_offload.copy_paths import CopyEngine
@@ -289,19 +290,10 @@ def test_route_layers_picks_the_pair_kernel_where_it_should(
 @pytest.mark.parametrize("to_host", [False, True])
 @pytest.mark.parametrize("tile", [16, 2048, 16 * 1024])
 def test_the_compiled_pair_kernel_moves_16_bytes_per_access(tile: int, to_host: bool) -> None:
-    """Compiled for an H100 (sm_90) without a GPU (the interpreter does not compile):
-    the computed addresses keep page_kernel's 16-byte vector loads and stores, all of a
-    thread's share of a block in flight before the first store."""
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.compiler import compile as triton_compile
-    except ImportError as exc:  # pragma: no cover - a Triton without these entry points
-        pytest.skip(f"Triton's compiler API is not there: {exc}")
-    from vllm_draft_offload import page_kernel
-
-    source = ASTSource(
-        fn=pair_kernel._jitted(False),
+    """The addresses computed on the device keep page_kernel's 16-byte vector loads and
+    stores, all of a thread's share of a block in flight before the first store."""
+    assert_16_byte_accesses_on_sm90(
+        pair_kernel._jitted(False),
         signature={
             "pairs": "*i64",
             "pair_stride": "i64",
@@ -316,13 +308,3 @@ def test_the_compiled_pair_kernel_moves_16_bytes_per_access(tile: int, to_host: 
         },
         constexprs={"TO_HOST": to_host, "TILE_WORDS": tile // 8, "ROWS": PageKernel(tile).rows},
     )
-    try:
-        compiled = triton_compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": page_kernel.NUM_WARPS}
-        )
-    except RuntimeError as exc:  # pragma: no cover - e.g. no ptxas in this Triton build
-        pytest.skip(f"no CUDA toolchain in this Triton: {exc}")
-    ptx = compiled.asm["ptx"]
-    per_thread = page_kernel.BLOCK_BYTES // (page_kernel.NUM_WARPS * 32 * 16)
-    assert ptx.count("ld.global.v2.b64") == per_thread == ptx.count("st.global.v2.b64")
-    assert ptx.index("st.global.v2.b64") > ptx.rindex("ld.global.v2.b64")

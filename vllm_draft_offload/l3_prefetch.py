@@ -359,9 +359,7 @@ class L3Prefetch:
             # (H100, session 23: the first cold prompt after a restart took 1.05-1.07 x
             # recompute). Recompute at once; the probe times the storage for later
             # requests and its units land in the CPU tier.
-            sent = self.background.probe(keys[first : first + hits])
-            if sent:
-                state.decision.probe = f"{_units(sent)} in the background"
+            self._probe_in_background(state, keys[first : first + hits])
             self.stats.record_l3_declined(COLD_UNMEASURED, hits)
             self._finish(state, "declined:" + COLD_UNMEASURED, 0)
             return
@@ -380,12 +378,17 @@ class L3Prefetch:
             self.stats.record_l3_declined(SLOWER_THAN_RECOMPUTE, hits - wanted)
         if not wanted:
             if storage.stale():
-                sent = self.background.probe(keys[first : first + hits])
-                if sent:
-                    state.decision.probe = f"{_units(sent)} in the background"
+                self._probe_in_background(state, keys[first : first + hits])
             self._finish(state, "declined:" + SLOWER_THAN_RECOMPUTE, 0)
             return
         self._fetch_chunks(req_id, state, keys, first, wanted, "fetch")
+
+    def _probe_in_background(self, state: L3RequestState, chunk_keys: Sequence[bytes]) -> None:
+        """Time the storage with a round of `chunk_keys` no request waits for (its units
+        land in the CPU tier); the decision says so if one was sent."""
+        sent = self.background.probe(chunk_keys)
+        if sent:
+            state.decision.probe = f"{_units(sent)} in the background"
 
     def _after_probe(
         self, req_id: str, state: L3RequestState, keys: Sequence[bytes], landed: int

@@ -130,6 +130,13 @@ def tile_table(desc: Descriptors, tile: int, out: np.ndarray | None = None) -> n
     return table
 
 
+def memmove_tiles(table: np.ndarray, tile: int) -> None:
+    """The kernels' host fallback (CPU tensors, no interpreter): move each ``tile``-byte
+    tile of a (2, tiles) table of source, then destination addresses."""
+    for src, dst in zip(table[0].tolist(), table[1].tolist(), strict=True):
+        ctypes.memmove(dst, src, tile)
+
+
 def _copy_tiles(table, n_tiles, TILE_WORDS: tl.constexpr, ROWS: tl.constexpr):  # noqa: N803
     """Program ``pid`` moves tiles pid*ROWS.. of every stride of programs*ROWS tiles;
     ``table`` holds n_tiles source addresses, then n_tiles destination addresses."""
@@ -209,8 +216,7 @@ class PageKernel:
             if interpreting():
                 self._launch(torch.from_numpy(table), table.shape[1], interpret=True)
             else:
-                for src, dst in zip(table[0].tolist(), table[1].tolist(), strict=True):
-                    ctypes.memmove(dst, src, self.tile)
+                memmove_tiles(table, self.tile)
             return []
         n_tiles = tile_count(desc, self.tile)
         host = torch.empty((2, n_tiles), dtype=torch.int64, pin_memory=True)

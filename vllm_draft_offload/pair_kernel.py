@@ -33,7 +33,6 @@ formula in numpy (which the tests also compare with ``page_kernel.tile_table``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 
@@ -47,6 +46,7 @@ from vllm_draft_offload.page_kernel import (
     WORD_BYTES,
     PageKernel,
     interpreting,
+    memmove_tiles,
 )
 
 try:  # Triton is optional: without it the kernel is unavailable and DMA does it all.
@@ -239,8 +239,7 @@ class PairKernel:
                 self.tile,
                 to_host,
             )
-            for src, dst in zip(table[0].tolist(), table[1].tolist(), strict=True):
-                ctypes.memmove(dst, src, self.tile)
+            memmove_tiles(table, self.tile)
             return
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._launch(pairs, first_pair, n_pairs, first_row, n_rows, n_tiles, to_host)
