@@ -40,6 +40,11 @@ def test_dry_run_reports_every_page_size_direction_and_path(tmp_path: Path) -> N
     assert all(r["bit_exact"] and r["GBps"] > 0 and r["layers"] == 1 for r in rows)
     # The worker's build from the job's lists, alone and with the batch.
     assert all(r["host_build_ms"] > 0 and r["GBps_from_pairs"] > 0 for r in rows)
+    # The median rep from the lists is never above the best one.
+    assert all(
+        0 < r["vs_pinned_memcpy_from_pairs_median"] <= r["vs_pinned_memcpy_from_pairs"]
+        for r in rows
+    )
     # On CPU the copy alone is the wall time of the same call (no stream to hold).
     assert all(r["device_GBps"] > 0 and r["host_enqueue_ms"] > 0 for r in rows)
     # Every page is its own copy (none of them merge), by the path its setting says.

@@ -106,6 +106,28 @@
 #   l3-native  l3-stages with the native and the Python reader side by side (native
 #             pieces 128 KiB, 256 KiB, 1 MiB), 8 and 16 threads, quiet and beside a 0.5 ms
 #             engine loop (about 4 min, estimated): /root/l3_stages_native_t{8,16}.json
+#   copy-4k   copy-speed --layers 16 at 4 and 8 KiB pages, 10 reps (best and median from
+#             the job's lists): whether auto reaches 0.8 x at 4 KiB (about 2 min, estimated)
+#   decode-8b-many  decode-overhead at the 8B shape, none and store, one compiled engine
+#             each, 24 pairs each: the stores' cost inside one engine on the pair-kernel
+#             build (about 8 min, estimated): /root/decode_8b_many.json
+#   decode-small-many  the same at the small shape, with the multi-turn decode-KV check
+#             (about 6 min, estimated): /root/decode_small_many.json
+#   accept-llama  acceptance on /root/fx with the pair kernel: none, corrupt, ours and
+#             ours_l3 for eagle3 and the self-draft, ours for eagle, JOBS=6 (about 4 min,
+#             estimated): /root/acc-llama
+#   l3-native10  l3-stages, native reader, 8 and 12 threads, quiet, 10 reps: the warm
+#             fetch against the raw read of the same threads (about 3 min, estimated)
+#   l3-restart2  l3-restart plus a warm restart with l3.io_threads 12, the raw reads on
+#             1, 4, 8 and 12 threads: the warm fetch against the raw read of its own
+#             thread count (about 7.5 min, estimated)
+#   decode-8b-b64  decode-overhead at the 8B shape, none and store, 64 requests a batch
+#             (GPU-bound decode: less host jitter per pair), 16 pairs an engine (about 9
+#             min, estimated): /root/decode_8b_b64.json
+#   decode-8b-b64-paths  decode-8b-b64 for stores forced onto the page kernel (SMs, no
+#             copy engine) and the default path, 16 pairs each: whether the 6 % the
+#             default stores cost at 64 requests is their DMA queueing ahead of vLLM's
+#             own copies (about 9 min, estimated): /root/decode_8b_b64_paths.json
 #   soak-switch  soak-alt1 with l3.switch_interval_ms null (Python's 5 ms GIL switch
 #             interval kept): whether the idle connector's cost is the 0.5 ms interval
 #             (about 8 min): /root/soak-switch
@@ -294,6 +316,29 @@ declare -A CMD=(
     --baseline-first --baseline-seconds 90 --seconds 210 --idle-seconds 90 --replay-n 8"
   [soak-null]="vllm-draft-offload soak --fixtures /root/fx --out /root/soak-null --no-faults \
     --baseline-first --baseline-seconds 60 --seconds 105 --ours-connector null --replay-n 4"
+  [copy-4k]="vllm-draft-offload copy-speed --layers 16 --pages-kib 4,8 --paths memcpy,kernel,auto \
+      --reps 10 --out /root/copy_4k.json"
+  [decode-8b-many]="vllm-draft-offload decode-overhead --shape llama8b --configs none,store \
+      --reps 24 --turn-prompts 0 --engine-timeout 600 --out /root/decode_8b_many.json"
+  [decode-small-many]="vllm-draft-offload decode-overhead --shape small --configs none,store \
+      --reps 24 --engine-timeout 600 --out /root/decode_small_many.json"
+  [accept-llama]="export JOBS=6; bash scripts/gpu/accept_runs.sh /root/fx /root/acc-llama \
+      eagle3-none:eagle3:eagle3:none eagle3-corrupt:eagle3:eagle3:corrupt \
+      eagle3-ours:eagle3:eagle3:ours eagle3-ours_l3:eagle3:eagle3:ours_l3 \
+      self-none:draft_model:self-draft:none self-corrupt:draft_model:self-draft:corrupt \
+      self-ours:draft_model:self-draft:ours self-ours_l3:draft_model:self-draft:ours_l3 \
+      eagle-ours:eagle:eagle:ours"
+  [l3-native10]="for t in 8 12; do vllm-draft-offload l3-stages --dir /root/l3-stages \
+      --threads \$t --units 32 --engine-loop-ms 0 --writes 0 --reader native --reps 10 \
+      --out /root/l3_stages_native10_t\$t.json; rm -rf /root/l3-stages; done"
+  [l3-restart2]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+      --l3-variants threads12 --raw-threads 1,4,8,12 --l3-dir /root/l3r2 --drop-caches \
+      --out /root/restore_speed_l3_threads.json; rm -rf /root/l3r2"
+  [decode-8b-b64]="vllm-draft-offload decode-overhead --shape llama8b --configs none,store \
+      --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 --out /root/decode_8b_b64.json"
+  [decode-8b-b64-paths]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store_kernel,store --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --out /root/decode_8b_b64_paths.json"
   [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
       --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \
       --reader native,python --native-piece-kib 128,256,1024 \
@@ -354,7 +399,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|soak-null|soak-switch|soak-spy|soak-final|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|copy-4k|decode-8b-many|decode-small-many|accept-llama|l3-native10|l3-restart2|decode-8b-b64|decode-8b-b64-paths|soak-null|soak-switch|soak-spy|soak-final|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
@@ -399,7 +444,7 @@ collect)
       [ -f "$m" ] && cp "$m" "$C/$d-$(basename "$(dirname "$m")")-meta.json"
     done
   done
-  for d in acc-mtp acc-swa acc-l3 acc-32k acc-long acc-long2 acc-hybrid/r0 acc-hybrid/rnone; do
+  for d in acc-mtp acc-swa acc-l3 acc-32k acc-long acc-long2 acc-llama acc-hybrid/r0 acc-hybrid/rnone; do
     [ -d "/root/$d" ] || continue
     vllm-draft-offload table "/root/$d" > "$C/${d//\//-}-table.md" 2>&1
     mkdir -p "$C/$d" && cp -r "/root/$d"/. "$C/$d"/
@@ -410,7 +455,8 @@ collect)
     [ -f "/root/$d/pressure.json" ] && mkdir -p "$C/$d" &&
       cp "/root/$d/pressure.json" "/root/$d/pressure.md" "$C/$d"/
   done
-  cp /root/restore_speed_*.json /root/l3_stages*.json /root/l3_speed.json /root/decode_*.json "$C"/ 2>/dev/null
+  cp /root/restore_speed_*.json /root/l3_stages*.json /root/l3_speed.json /root/decode_*.json \
+    /root/copy_*.json "$C"/ 2>/dev/null
   for d in copy copy-table; do [ -d "/root/$d" ] && cp -r "/root/$d" "$C"/; done
   [ -f /root/soak/soak.md ] && cp /root/soak/soak.json /root/soak/soak.md /root/soak/soak.png "$C"/
   for d in soak-order soak-order-stores soak-alt1 soak-alt2 soak-null soak-switch soak-spy soak-final; do
