@@ -100,6 +100,7 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
         "raw_disk": {
             "write_GBps": 2.0, "read_direct_GBps": {"1": 1.5},
             "read_cold_GBps": {"1": 1.2}, "read_warm_GBps": {"1": 6.0},
+            "read_warm_into_memory_GBps": {"1": 2.048, "8": 4.096},
         },
         "configs": {
             "recompute": {"fresh_s": [0.5, 0.5, 0.5]},
@@ -128,6 +129,15 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
                 },
                 "l3_decisions": [
                     "(EngineCore pid=1) INFO [l3_decisions.py:80] L3 decision req=3 policy=cost: x",
+                    "(EngineCore pid=1) INFO [l3_decisions.py:80] L3 decision req=4 policy=cost: "
+                    "cpu chunks 0, storage range [0, 4) found 4 -> fetched; fetch 4, landed 4; "
+                    "est load 0.1 s (unit 0.01 s) vs recompute 0.5 s (fit); probe none; "
+                    "resident 4/4; waited 0.2 s of 0.5 s (lookup 0.01 s, fetch 0.0001 s)",
+                    # A fetch given up with part landed is not a whole fetch: not timed.
+                    "(EngineCore pid=1) INFO [l3_decisions.py:80] L3 decision req=5 policy=cost: "
+                    "cpu chunks 0, storage range [0, 4) found 4 -> fetched; fetch 4, landed 2; "
+                    "est load 0.1 s (unit 0.01 s) vs recompute 0.5 s (fit); probe none; "
+                    "resident 4/4; waited 0.2 s of 0.5 s (lookup 0.01 s, fetch 0.0001 s)",
                     "(EngineCore pid=1) INFO [l3_calibration.py:90] prefill calibration loaded",
                 ],
             },
@@ -154,7 +164,12 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
     assert hit_phases["l3_read_thread_s"] == 2.0
     assert hit_phases["l3_read_cpu_of_wall"] == 1.5 / 4.0
     assert "l3_write_thread_s" not in hit_phases  # nothing written during the hits
-    assert restart["storage_decisions"] == ["L3 decision req=3 policy=cost: x"]
+    assert restart["storage_decisions"][0] == "L3 decision req=3 policy=cost: x"
+    # 4 units of 256 tokens x 100 bytes in 0.1 ms, against the raw read into memory.
+    assert restart["fetch_GBps"] == [4 * 25600 / 0.0001 / 1e9]
+    ratios = restart["fetch_vs_read_warm_into_memory"]
+    assert abs(ratios["1"] - 0.5) < 1e-9 and abs(ratios["8"] - 0.25) < 1e-9
+    assert summary["raw_disk"]["read_warm_into_memory_GBps"] == {"1": 2.048, "8": 4.096}
     assert summary["raw_disk"]["read_cold_GBps"] == {"1": 1.2}
     assert "ours_l3_restart_strict" not in summary
     report["configs"]["ours_l3_strict"] = {

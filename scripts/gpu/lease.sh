@@ -128,6 +128,10 @@
 #             copy engine) and the default path, 16 pairs each: whether the 6 % the
 #             default stores cost at 64 requests is their DMA queueing ahead of vLLM's
 #             own copies (about 9 min, estimated): /root/decode_8b_b64_paths.json
+#   pinned-read  scripts/gpu/pinned_read.py: warm page-cache reads on 4, 8 and 12 threads
+#             into a pageable buffer, the same buffer registered with the driver (as the
+#             CPU tier is) and a cudaHostAlloc one: whether the in-engine warm fetch's
+#             0.4-0.6 x of the raw read is the page-locked destination (about 1 min)
 #   soak-switch  soak-alt1 with l3.switch_interval_ms null (Python's 5 ms GIL switch
 #             interval kept): whether the idle connector's cost is the 0.5 ms interval
 #             (about 8 min): /root/soak-switch
@@ -339,6 +343,7 @@ declare -A CMD=(
   [decode-8b-b64-paths]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs store_kernel,store --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 \
       --out /root/decode_8b_b64_paths.json"
+  [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"
   [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
       --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \
       --reader native,python --native-piece-kib 128,256,1024 \
@@ -399,7 +404,7 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|copy-4k|decode-8b-many|decode-small-many|accept-llama|l3-native10|l3-restart2|decode-8b-b64|decode-8b-b64-paths|soak-null|soak-switch|soak-spy|soak-final|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
+fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|copy-4k|decode-8b-many|decode-small-many|accept-llama|l3-native10|l3-restart2|decode-8b-b64|decode-8b-b64-paths|pinned-read|soak-null|soak-switch|soak-spy|soak-final|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
   bg "$phase" "${CMD[$phase]}; echo $phase-done"
   sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)

@@ -306,6 +306,7 @@ def run_shape(
             int(args.raw_gib * 2**30),
             [int(t) for t in args.raw_threads.split(",")],
             args.drop_caches,
+            into_memory=True,  # a fetch lands in host slots: its limit is this read
         )
         print("raw_disk", json.dumps(report["raw_disk"]), flush=True)
     filled: set[Path] = set()

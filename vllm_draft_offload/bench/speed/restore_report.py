@@ -4,6 +4,7 @@ one shape (ratios to recompute, native and the pinned-copy limit) and the speed 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from vllm_draft_offload.bench.speed.restore_engine import is_restart
@@ -14,6 +15,9 @@ from vllm_draft_offload.metric_defs import L3_THREAD_OPS
 LOG_MARKERS = ("L3 decision", "prefill calibration", "DraftOffloadConnector")
 
 LOG_TAIL_CHARS = 4000
+
+# A decision line's whole fetch: units asked for and landed, and the fetch's seconds.
+_WHOLE_FETCH = re.compile(r"-> fetched; fetch (\d+), landed (\d+);.*, fetch ([0-9.]+) s\)")
 
 
 def connector_log(stdout: str, stderr: str = "") -> dict[str, Any]:
@@ -91,6 +95,10 @@ def summarize(report: dict[str, Any]) -> None:
                 for line in result.get("l3_decisions", [])
                 if "L3 decision req=" in line
             ]
+            unit_bytes = report["kv_bytes_per_token"] * report.get("chunk_size", 256)
+            summary[name].update(
+                fetch_speed(summary[name]["storage_decisions"], unit_bytes, report, name)
+            )
     pinned = report.get("pinned_h2d_GBps")
     if "ours" in summary and pinned and summary["ours"]["restore_GBps_connector"]:
         summary["ours"]["restore_vs_pinned_memcpy"] = (
@@ -131,10 +139,43 @@ def summarize(report: dict[str, Any]) -> None:
         raw = report["raw_disk"]
         summary["raw_disk"] = {
             k: raw[k]
-            for k in ("write_GBps", "read_direct_GBps", "read_cold_GBps", "read_warm_GBps")
+            for k in (
+                "write_GBps",
+                "read_direct_GBps",
+                "read_cold_GBps",
+                "read_warm_GBps",
+                "read_warm_into_memory_GBps",
+            )
+            if k in raw
         }
     report["summary"] = summary
     print(json.dumps(summary, indent=1), flush=True)
+
+
+def fetch_speed(
+    decisions: list[str], unit_bytes: int, report: dict[str, Any], name: str
+) -> dict[str, Any]:
+    """GB/s of every whole storage fetch in a restart's decision lines (units landed x
+    unit bytes / the fetch's seconds), and their median against the raw read of each
+    thread count: a warm restart's against the page-cache read into memory (a fetch
+    lands its bytes in host slots; ``read_warm_GBps`` reads into a buffer the CPU cache
+    holds), a cold one's against the cold read."""
+    speeds = []
+    for line in decisions:
+        match = _WHOLE_FETCH.search(line)
+        if match and int(match[1]) == int(match[2]) > 0 and float(match[3]) > 0:
+            speeds.append(int(match[2]) * unit_bytes / float(match[3]) / 1e9)
+    if not speeds:
+        return {}
+    raw = report.get("raw_disk", {})
+    key = "read_cold_GBps" if name == "ours_l3_restart_cold" else "read_warm_into_memory_GBps"
+    fetch = _median(speeds)
+    return {
+        "fetch_GBps": speeds,
+        f"fetch_vs_{key.removesuffix('_GBps')}": {
+            threads: fetch / gbps for threads, gbps in raw.get(key, {}).items() if gbps
+        },
+    }
 
 
 def restart_extras(result: dict[str, Any], recompute_s: float | None) -> dict[str, Any]:
