@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from vllm_draft_offload.bench import cli
-from vllm_draft_offload.bench.speed import copy as copy_speed
+from vllm_draft_offload.bench.speed import copy_rig
 from vllm_draft_offload.copy_paths import CopyEngine
 from vllm_draft_offload.copy_routes import PairCopier
 from vllm_draft_offload.metric_defs import Direction
-from vllm_draft_offload.transfers import UnitCopies
+from vllm_draft_offload.transfers import Descriptors, UnitCopies
 
 
 def test_dry_run_reports_every_page_size_direction_and_path(tmp_path: Path) -> None:
@@ -118,10 +118,10 @@ def test_rules_are_written_only_from_a_gpu_run_of_both_paths(
 
 
 def test_scattered_pages_never_merge_and_a_wrong_copy_is_caught() -> None:
-    rig = copy_speed.Rig(64 * 1024, on_device=False)
+    rig = copy_rig.Rig(64 * 1024, on_device=False)
     try:
         page, count = 4096, 16
-        blocks, load, store = copy_speed.scattered_pages(
+        blocks, load, store = copy_rig.scattered_pages(
             rig.pool.base, rig.device.data_ptr(), page, count, seed=3
         )
         assert len(set(blocks.tolist())) == count and blocks.max() < 2 * count
@@ -129,7 +129,7 @@ def test_scattered_pages_never_merge_and_a_wrong_copy_is_caught() -> None:
         assert len(load.coalesced().sizes) == count  # no two pages merge
         engine = CopyEngine("auto", rig.pool, [page], on_device=False)
 
-        def exact(desc: copy_speed.Descriptors, direction: Direction) -> bool:
+        def exact(desc: Descriptors, direction: Direction) -> bool:
             enqueue = functools.partial(engine.run, desc, direction)
             return rig.bit_exact(enqueue, direction, blocks, page)
 
@@ -137,7 +137,7 @@ def test_scattered_pages_never_merge_and_a_wrong_copy_is_caught() -> None:
         assert exact(store, "store")
         assert not exact(load.select(np.arange(count) != 5), "load")  # one page left behind
         # Off by a block (the one before: blocks are odd, the last is the tensor's last).
-        assert not exact(copy_speed.Descriptors(load.src, load.dst - page, load.sizes), "load")
+        assert not exact(Descriptors(load.src, load.dst - page, load.sizes), "load")
     finally:
         rig.close()
 
@@ -146,11 +146,11 @@ def test_one_layer_is_the_batch_copy_speed_always_ran() -> None:
     """--layers 1 (the default): one layer's pairs are the scattered pages' (same host
     pages, blocks and order), in the one region copy-speed always gave PairCopier."""
     page, count = 4096, 32
-    rig = copy_speed.Rig(count * page, on_device=False)
+    rig = copy_rig.Rig(count * page, on_device=False)
     try:
         engine = CopyEngine("kernel", rig.pool, [page], on_device=False)
-        batch = copy_speed.LayerBatch(rig, engine, page, layers=1)
-        blocks, load, store = copy_speed.scattered_pages(
+        batch = copy_rig.LayerBatch(rig, engine, page, layers=1)
+        blocks, load, store = copy_rig.scattered_pages(
             rig.pool.base, rig.device.data_ptr(), page, count, seed=page
         )
         assert np.array_equal(batch.blocks, blocks)
@@ -184,23 +184,23 @@ def test_every_layer_of_a_multi_layer_batch_is_copied_and_checked(setting: str) 
     (kernel) or the descriptor path (memcpy), and a copy that misses or mixes up one
     layer is caught."""
     page, layers, per_layer = 4096, 4, 8
-    rig = copy_speed.Rig(layers * per_layer * page, on_device=False)
+    rig = copy_rig.Rig(layers * per_layer * page, on_device=False)
     try:
         engine = CopyEngine(setting, rig.pool, [page], on_device=False)  # type: ignore[arg-type]
-        batch = copy_speed.LayerBatch(rig, engine, page, layers)
+        batch = copy_rig.LayerBatch(rig, engine, page, layers)
         regions = batch.copier.copies.regions
         assert len({r.device_base for r in regions}) == layers
         assert [r.slot.offset for r in regions] == [k * per_layer * page for k in range(layers)]
-        for direction in copy_speed.DIRECTIONS:
+        for direction in copy_rig.DIRECTIONS:
             assert batch.pair_kernel_layers(direction) == [setting == "kernel"] * layers
             # One set of pairs for every layer.
             assert [len(pages) for pages in batch.inputs[direction].host_pages] == [per_layer]
 
-        def exact(direction: Direction, enqueue: copy_speed.Enqueue | None = None) -> bool:
+        def exact(direction: Direction, enqueue: copy_rig.Enqueue | None = None) -> bool:
             enqueue = enqueue or batch.enqueue(direction)
             return rig.bit_exact(enqueue, direction, batch.blocks, page, layers)
 
-        for direction in copy_speed.DIRECTIONS:
+        for direction in copy_rig.DIRECTIONS:
             assert exact(direction)
             assert exact(direction, batch.enqueue(direction, from_pairs=True))
         # Layer 2 never loaded.

@@ -84,7 +84,7 @@ from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.provenance import provenance
-from vllm_draft_offload.bench.speed.copy import pinned_memcpy_gbps
+from vllm_draft_offload.bench.speed.copy_rig import pinned_memcpy_gbps
 from vllm_draft_offload.bench.speed.disk_baseline import cache, evict, measure
 from vllm_draft_offload.bench.speed.l3_dir import calibration_samples, unit_files
 from vllm_draft_offload.bench.speed.restore_engine import VARIANT_SETTINGS, run_config
