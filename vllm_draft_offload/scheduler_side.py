@@ -35,6 +35,7 @@ from vllm_draft_offload.restore_overlap import OverlappedLoads
 from vllm_draft_offload.store_planner import (
     blocks_being_loaded,
     loads_read_by,
+    no_chunk_completes,
     plan_request_stores,
     store_range,
 )
@@ -419,6 +420,15 @@ class DraftOffloadScheduler:
             # computed or named (window_pins), and audits read the block table: such
             # requests are looked at every step.
             return False
+        if no_chunk_completes(
+            state.request,
+            state.next_store_chunk,
+            computed_after,
+            self.config,
+            self.chunk_size,
+            state.options.store,
+        ):
+            return True  # the common decode step, without store_range's calls
         first, limit = store_range(
             state.request,
             state.next_store_chunk,
