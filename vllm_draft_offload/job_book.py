@@ -2,7 +2,7 @@
 reports on it, and when it is complete (every rank reported).
 
 What a completed job means for the CPU tier, the request and storage is the
-scheduler's to decide (scheduler_side.py); this module only keeps the records, folds
+scheduler's to decide (job_outcomes.py); this module only keeps the records, folds
 the workers' reports into them and keeps the clock of the last progress.
 """
 

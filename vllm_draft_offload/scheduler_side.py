@@ -3,7 +3,9 @@
 It never touches tensors. It decides which host slot every unit lives in and
 tells the workers what to copy; workers report back which jobs are done. The
 CPU-tier prefix match is cpu_lookup.py's, the per-request record request_state.py's,
-and the load jobs of overlapped restores restore_overlap.py's `OverlappedLoads`.
+the load job of an admitted hit load_jobs.py's, the store jobs store_jobs.py's, what
+a completed job means job_outcomes.py's, and the load jobs of overlapped restores
+restore_overlap.py's `OverlappedLoads`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from vllm_draft_offload.config import DraftOffloadConfig
 from vllm_draft_offload.cpu_index import CpuTierIndex
 from vllm_draft_offload.cpu_lookup import CpuTierLookup, Landing
 from vllm_draft_offload.geometry import UnitLayout
-from vllm_draft_offload.hit_logic import PrefixMatch, tokens_in_chunks
+from vllm_draft_offload.hit_logic import PrefixMatch
 from vllm_draft_offload.job_book import JobBook, JobRecord
+from vllm_draft_offload.job_outcomes import JobOutcomes
 from vllm_draft_offload.l3_writes import L3WritePlanner, part_remover
-from vllm_draft_offload.load_planner import plan_load
+from vllm_draft_offload.load_jobs import LoadJobs
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
     DraftOffloadWorkerMetadata,
@@ -32,13 +35,7 @@ from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.request_options import request_options
 from vllm_draft_offload.request_state import RequestState
 from vllm_draft_offload.restore_overlap import OverlappedLoads
-from vllm_draft_offload.store_planner import (
-    blocks_being_loaded,
-    loads_read_by,
-    no_chunk_completes,
-    plan_request_stores,
-    store_range,
-)
+from vllm_draft_offload.store_jobs import StoreJobs
 from vllm_draft_offload.window_pins import WindowPins
 
 if TYPE_CHECKING:
@@ -86,10 +83,6 @@ class DraftOffloadScheduler:
         self._job_ids = itertools.count(1)
         self._pending_loads: list[TransferJob] = []
         self._pending_finish_stores: list[TransferJob] = []
-        # Store jobs with L3 writes, finished on every rank: the verdict the workers
-        # wait for before writing (commit) or dropping (abort) them, sent next step.
-        self._l3_commits: list[int] = []
-        self._l3_aborts: list[int] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self.stats = DraftOffloadStats()
         self.cpu_lookup = CpuTierLookup(
@@ -144,6 +137,30 @@ class DraftOffloadScheduler:
             world_size,
             self.stats,
             lambda: next(self._job_ids),
+        )
+        self.loads = LoadJobs(
+            self.index,
+            layout,
+            num_successors,
+            async_loads,
+            self.jobs,
+            self.overlap,
+            self.l3,
+            lambda: next(self._job_ids),
+        )
+        self.stores = StoreJobs(
+            config,
+            layout,
+            num_successors,
+            self.index,
+            self.jobs,
+            self.pins,
+            self.audit,
+            self.l3_writes,
+            lambda: next(self._job_ids),
+        )
+        self.outcomes = JobOutcomes(
+            self.index, self.jobs, self.pins, self.overlap, self.l3, self._requests
         )
 
     @property
@@ -231,109 +248,10 @@ class DraftOffloadScheduler:
         if match.num_tokens != num_external_tokens:
             # vLLM trimmed the hit (e.g. a partial local block); load what it kept.
             match.end_token = match.start_token + num_external_tokens
-        landing, state.pending_fetches = state.pending_fetches, None
-        if self.l3 is not None:
-            fetched = self.l3.take_fetched_chunk_keys(request.request_id)
-            fetched |= {placeholder[0] for placeholder in landing or ()}
-            state.storage_tokens = tokens_in_chunks(
-                match, self.chunk_size, lambda chunk: state.keys.keys[chunk] in fetched
-            )
-        plan = plan_load(
-            self.index,
-            self.layout,
-            match,
-            blocks.get_block_ids(),
-            self.async_loads,
-            landing=landing,
-            token_ids=request.all_token_ids,
-            num_successors=self.num_successors,
-        )
-        job = TransferJob(
-            next(self._job_ids),
-            request.request_id,
-            "load",
-            plan.host_pages,
-            plan.gpu_blocks,
-            error_blocks=plan.error_blocks,
-            overlapped=landing is not None,
-            overlap_units=plan.overlap_units,
-        )
-        self.jobs.add(
-            job.job_id,
-            JobRecord(
-                request.request_id,
-                "load",
-                plan.units,
-                asynchronous=self.async_loads or landing is not None,
-            ),
-        )
-        if landing is not None:
-            self.overlap.bind(request.request_id, job.job_id, landing, plan.units)
-        state.inflight_jobs.add(job.job_id)
-        state.hit_start = match.start_token
-        state.restored_tokens = max(0, plan.loaded_end - match.start_token)
-        # Chunks already in the tier need no store; skip past them.
-        state.next_store_chunk = max(state.next_store_chunk, match.end_token // self.chunk_size)
+        job = self.loads.job(request, state, match, blocks)
         self._pending_loads.append(job)
 
     # ------------------------------------------------------------------ stores
-
-    def _store_job(
-        self,
-        state: RequestState,
-        computed_after_step: int,
-        block_ids: tuple[list[int], ...],
-        finishing: bool,
-    ) -> TransferJob | None:
-        req_id = state.request.request_id
-        # Freed sliding-window blocks a unit still needs are read where they are held.
-        block_ids = self.pins.block_table(req_id, block_ids)
-        state_blocks = self.pins.state_blocks(req_id) if self.layout.state_groups else None
-        plan = plan_request_stores(
-            self.index,
-            self.layout,
-            state.keys,
-            state.request,
-            state.next_store_chunk,
-            computed_after_step,
-            self.num_successors,
-            self.config,
-            block_ids,
-            # No slot for a store: a queued L3 write gives its slot back once confirmed.
-            on_full=self.l3_writes.relieve if self.l3_writes is not None else None,
-            state_blocks=state_blocks,
-            allowed=state.options.store,
-        )
-        if plan.window_lost:
-            self.pins.give_up(req_id)
-        state.next_store_chunk = plan.next_chunk
-        held = self.pins.settle(req_id, plan.chunks, plan.next_chunk, block_ids)
-        units = plan.units
-        if not units and not (finishing and state.inflight_jobs):
-            return None
-        job = TransferJob(
-            next(self._job_ids),
-            state.request.request_id,
-            "store",
-            plan.host_pages,
-            plan.gpu_blocks,
-            finishing=finishing,
-            # Pinned until every worker has its bytes in LMCache's staging buffer.
-            l3_units=self.l3_writes.plan(plan.l3_units) if self.l3_writes is not None else [],
-        )
-        self.jobs.add(
-            job.job_id,
-            JobRecord(
-                state.request.request_id,
-                "store",
-                units,
-                first_chunk=plan.first_chunk,
-                has_l3_writes=bool(job.l3_units),
-                held_blocks=held,
-            ),
-        )
-        state.inflight_jobs.add(job.job_id)
-        return job
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DraftOffloadMetadata:
         meta = DraftOffloadMetadata(
@@ -372,24 +290,12 @@ class DraftOffloadScheduler:
                 state.next_store_chunk if (state := self._requests.get(req_id)) else None
             ),
         )
-        loading = blocks_being_loaded(meta.loads)
-        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            computed_after = state.request.num_computed_tokens + num_scheduled
-            if self._nothing_due(state, computed_after):
-                continue
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)
-            self.pins.track(req_id, state.next_store_chunk, computed_after, block_ids)
-            job = self._store_job(state, computed_after, block_ids, finishing=False)
-            if job is not None:
-                job.after_loads = loads_read_by(self.layout, block_ids, loading)
-                record = self.jobs.get(job.job_id)
-                assert record is not None
-                record.after_loads = tuple(job.after_loads)
-                meta.stores.append(job)
-            meta.compares += self.audit.plan(state.request, computed_after, block_ids)
+        self.stores.plan_step(
+            meta,
+            scheduler_output.num_scheduled_tokens,
+            self._requests,
+            self._kv_cache_manager.get_block_ids,
+        )
         preempted = scheduler_output.preempted_req_ids or set()
         for req_id in preempted:
             state = self._requests.get(req_id)
@@ -406,42 +312,8 @@ class DraftOffloadScheduler:
             self.audit.release(req_id)
         if self.l3_writes is not None:
             meta.l3_cancel_writes = self.l3_writes.take_cancels()
-        meta.l3_commit_jobs, self._l3_commits = self._l3_commits, []
-        meta.l3_abort_jobs, self._l3_aborts = self._l3_aborts, []
+        meta.l3_commit_jobs, meta.l3_abort_jobs = self.outcomes.take_verdicts()
         return meta
-
-    def _nothing_due(self, state: RequestState, computed_after: int) -> bool:
-        """Whether the request needs nothing this step: no chunk to store, no window
-        page to hold, no audit to plan. Most decode steps complete no chunk, and
-        building their block tables and plans every step cost about 10 us a request
-        on the engine's critical path (`vllm-draft-offload hook-cost`)."""
-        if self.pins.active or self.audit.pending(state.request.request_id):
-            # Sliding-window pages and Mamba states are held from the step they are
-            # computed or named (window_pins), and audits read the block table: such
-            # requests are looked at every step.
-            return False
-        if no_chunk_completes(
-            state.request,
-            state.next_store_chunk,
-            computed_after,
-            self.config,
-            self.chunk_size,
-            state.options.store,
-        ):
-            return True  # the common decode step, without store_range's calls
-        first, limit = store_range(
-            state.request,
-            state.next_store_chunk,
-            computed_after,
-            self.num_successors,
-            self.config,
-            self.chunk_size,
-            state.options.store,
-        )
-        if limit > first:
-            return False
-        state.next_store_chunk = first  # as an empty plan would set it
-        return True
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -466,7 +338,7 @@ class DraftOffloadScheduler:
             self.overlap.abandon(waiting_loads)
             self.pins.forget(request.request_id)
             return False, None
-        job = self._store_job(state, request.num_computed_tokens, block_ids, finishing=True)
+        job = self.stores.job(state, request.num_computed_tokens, block_ids, finishing=True)
         self.pins.forget(request.request_id)  # what no store needs (the job took its own)
         if job is None:
             return False, None
@@ -503,46 +375,7 @@ class DraftOffloadScheduler:
             self.l3_writes.on_output(meta)
         if self.l3 is not None:
             self.l3.fetch_timings(meta.fetch_seconds, meta.fetch_since_queued)
-        self.jobs.apply(meta, self._complete)
-
-    def _complete(self, job_id: int, record: JobRecord) -> None:
-        """Every rank reported on the job: publish, release or drop what it moved."""
-        self.pins.release(record.held_blocks)
-        if record.direction == "fetch":
-            assert self.l3 is not None
-            self.l3.fetch_finished(
-                job_id, None if record.failed else record.successors, record.cause
-            )
-            return
-        if record.has_l3_writes:
-            # Decided only now, with every rank's report in and any later failure of a
-            # load it was computed on applied: wrong KV never reaches storage.
-            (self._l3_aborts if record.failed else self._l3_commits).append(job_id)
-        state = self._requests.get(record.req_id)
-        self.overlap.reported(job_id, state, record)
-        if state is not None:
-            state.inflight_jobs.discard(job_id)
-            if record.failed:
-                self._after_failure(state, job_id, record)
-        for unit_id in record.units:
-            if record.direction == "load":
-                self.index.unpin(unit_id)
-                if record.failed:
-                    # A unit that failed to load (bad checksum) is never served again.
-                    self.index.remove(unit_id)
-            elif record.failed:
-                self.index.remove(unit_id)
-            else:
-                self.index.commit(unit_id)
-
-    def _after_failure(self, state: RequestState, job_id: int, record: JobRecord) -> None:
-        if record.direction == "load":
-            if record.asynchronous:
-                state.restored_tokens = 0  # vLLM recomputes it from token 0
-            self.jobs.fail_stores_computed_on(job_id, record)
-        elif record.direction == "store" and record.cause != "store_error":
-            # Retry once recomputed (no hole); a bad copy plan would only fail again.
-            state.next_store_chunk = min(state.next_store_chunk, record.first_chunk)
+        self.jobs.apply(meta, self.outcomes.complete)
 
     def has_inflight_jobs(self) -> bool:
         return bool(self.jobs)
@@ -553,7 +386,7 @@ class DraftOffloadScheduler:
         Jobs that have not moved for STALL_S (a worker gone during shutdown,
         say) stop holding the engine loop, so it can never spin forever.
         """
-        if self._l3_commits or self._l3_aborts:
+        if self.outcomes.verdicts_pending():
             return True  # verdicts the workers hold L3 writes for go out with a step
         now = time.monotonic()
         writes = self.l3_writes
