@@ -318,7 +318,7 @@ def test_units_landing_out_of_order_are_the_fetch_pace(tmp_path: Path) -> None:
     prefetch.cost.storage.observe_fetch(0.001)  # measured: no probe
     no_match = PrefixMatch(0, 0, [])
     deadline = time.monotonic() + 10
-    while (state := prefetch._requests.get("r")) is None or state.phase != "fetch":
+    while (state := prefetch.waits.states.get("r")) is None or state.phase != "fetch":
         assert time.monotonic() < deadline
         assert prefetch.must_wait("r", no_match, keys, 8 * CHUNK + 1, 0)
         time.sleep(0.005)
@@ -328,7 +328,7 @@ def test_units_landing_out_of_order_are_the_fetch_pace(tmp_path: Path) -> None:
     time.sleep(0.002)
     for job in jobs[1:4]:  # chunks 1-3 land; chunk 0, the leading one, has not
         prefetch.fetch_finished(job, [], None)
-    pace = prefetch._fetch_pace(state, time.monotonic())
+    pace = prefetch.waits._fetch_pace(state, time.monotonic())
     assert pace["fetched"] == 3 and pace["outstanding"] == 5
     assert state.progress > before and state.landed == 0
     assert state.first_landing is not None and 0 < pace["landing_s"] < 1
@@ -362,12 +362,12 @@ def _session13_prefetch(url: str, slots: int) -> L3Prefetch:
 def _until_fetching(prefetch: L3Prefetch, req_id: str, keys: list[bytes]) -> L3Decision:
     """Drive the request's lookup until its fetch is sent (or it stopped waiting)."""
     deadline = time.monotonic() + 10
-    while (state := prefetch._requests.get(req_id)) is None or state.phase == "lookup":
+    while (state := prefetch.waits.states.get(req_id)) is None or state.phase == "lookup":
         assert time.monotonic() < deadline
         if not prefetch.must_wait(req_id, PrefixMatch(0, 0, []), keys, 64 * 256 + 2, 0):
             break
         time.sleep(0.005)
-    state = prefetch._requests[req_id]
+    state = prefetch.waits.states[req_id]
     return state.decision
 
 

@@ -105,7 +105,7 @@ class PrefetchMachine(RuleBasedStateMachine):
         for _ in range(2):
             match = self._match()
             waits = self.prefetch.must_wait(req_id, match, self.keys, len(TOKENS), 0)
-            state = self.prefetch._requests.get(req_id)
+            state = self.prefetch.waits.states.get(req_id)
             if waits and state is not None and state.lookup is not None:
                 state.lookup.result(10)  # deterministic: let the lookup answer, then ask again
         if waits:

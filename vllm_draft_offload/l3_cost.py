@@ -17,7 +17,7 @@ Two estimators, fed by what the connector sees anyway:
 `CostModel.chunks_worth_loading` picks how many leading chunks of a storage
 hit to load: the count that saves the most time, or none. The CPU tier is not
 involved: its hits are always taken. `CostModel.wait_allowance_s` is what a
-request may always wait on storage (l3_prefetch.py; all it gets while the storage
+request may always wait on storage (l3_waits.py; all it gets while the storage
 is unmeasured): PROBE_WAIT_FRACTION of the estimated recompute R of the chunks it
 looks up, plus the estimated recompute of the leading chunks that have already
 landed (those it no longer has to compute). Admitted at any moment within that

@@ -1,5 +1,6 @@
 """What the scheduler keeps about one request's storage lookup and fetch while it waits
-(l3_prefetch.py), and while an overlapped restore still loads it (restore_overlap.py)."""
+(l3_waits.py, l3_hit_driver.py), and while an overlapped restore still loads it
+(restore_overlap.py)."""
 
 from __future__ import annotations
 

@@ -24,47 +24,36 @@ and each worker checks the header against the tokens the hit relies on when the 
 lands; a unit stored with others is not copied and its blocks are recomputed.
 
 `OverlapRestores` (owned by `l3_prefetch.L3Prefetch`) watches the requests and their
-fetches; `OverlappedLoads` (owned by `scheduler_side.DraftOffloadScheduler`) keeps the
-load jobs: the placeholders each pinned, the loads to abandon, and what a request is
-left with once its load is reported.
+fetches (kept by `l3_waits.L3Waits`); `OverlappedLoads` (owned by
+`scheduler_side.DraftOffloadScheduler`) keeps the load jobs: the placeholders each
+pinned, the loads to abandon, and what a request is left with once its load is
+reported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from vllm_draft_offload.cpu_index import UnitId
 from vllm_draft_offload.hit_logic import PrefixMatch
 from vllm_draft_offload.job_book import JobBook, JobRecord
-from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.l3_request import L3RequestState
 from vllm_draft_offload.request_state import RequestState
 
-
-class _Prefetch(Protocol):
-    """What this module drives of `l3_prefetch.L3Prefetch` (named here, not imported:
-    that module owns an `OverlapRestores`)."""
-
-    _requests: dict[str, L3RequestState]
-    fetches: FetchBook
-
-    def _may_wait(self, state: L3RequestState, landed: int) -> bool: ...
-
-    def _give_up(self, state: L3RequestState, landed: int) -> None: ...
-
-    def _finish(self, state: L3RequestState, outcome: str, landed: int) -> None: ...
-
-    def _outcome(self, state: L3RequestState, landed: int) -> str: ...
+if TYPE_CHECKING:
+    # Only named: at runtime this module stays free of the cost model's imports (the
+    # scheduler imports it with no storage tier configured).
+    from vllm_draft_offload.l3_waits import L3Waits
 
 
 class OverlapRestores:
     """Requests admitted with their fetches in flight, and the loads restoring them.
 
-    A friend of `L3Prefetch`: it drives that class's request states and decisions."""
+    It drives `L3Waits`' request states and decisions."""
 
-    def __init__(self, prefetch: _Prefetch, enabled: bool) -> None:
-        self.prefetch = prefetch
+    def __init__(self, waits: L3Waits, enabled: bool) -> None:
+        self.waits = waits
         self.enabled = enabled
         # Request -> its overlapped load job, while its fetches are still watched.
         self._bound: dict[str, int] = {}
@@ -83,27 +72,27 @@ class OverlapRestores:
     def pending_units(self, req_id: str) -> dict[bytes, tuple[UnitId, int]]:
         """Chunk key -> (placeholder, fetch job) of the units the request's admitted
         hit may take before they land (empty: it is not admitted that way)."""
-        state = self.prefetch._requests.get(req_id)
+        state = self.waits.states.get(req_id)
         if state is None or not state.overlap_offered or state.phase != "fetch":
             return {}
-        units = self.prefetch.fetches.units
+        units = self.waits.fetches.units
         return {units[job][1][0]: (units[job][1], job) for job in state.jobs}
 
     def release(self, req_id: str) -> None:
         """The request was offered but is admitted otherwise (its hit ends before the
         units still landing, an audit recomputes it, vLLM took no external tokens): it
         stops waiting, as a request admitted with what landed does."""
-        state = self.prefetch._requests.get(req_id)
+        state = self.waits.states.get(req_id)
         if state is None or not state.overlap_offered or state.load_job is not None:
             return
         state.overlap_offered = False
         if state.phase != "done":
             landed = state.leading_landed()
-            self.prefetch._finish(state, self.prefetch._outcome(state, landed), landed)
+            self.waits.finish(state, self.waits.outcome(state, landed), landed)
 
     def bind(self, req_id: str, load_job: int) -> None:
         """vLLM admitted the request; `load_job` restores it as its units land."""
-        state = self.prefetch._requests[req_id]
+        state = self.waits.states[req_id]
         state.load_job = load_job
         self._bound[req_id] = load_job
 
@@ -115,9 +104,9 @@ class OverlapRestores:
         """Every step: the loads to abandon, whose fetches fell behind their allowance.
         Requests whose fetches all reported stop being watched (decision logged)."""
         abandon = []
-        prefetch = self.prefetch
+        waits = self.waits
         for req_id, load_job in list(self._bound.items()):
-            state = prefetch._requests.get(req_id)
+            state = waits.states.get(req_id)
             if state is None or state.phase == "done":
                 del self._bound[req_id]
                 self._loaded.discard(req_id)
@@ -126,13 +115,13 @@ class OverlapRestores:
             if not state.jobs or req_id in self._loaded:
                 # Fetches still out after the load (one failed, so the load stopped
                 # waiting for the later ones) land in the background.
-                prefetch._finish(state, prefetch._outcome(state, landed), landed)
+                waits.finish(state, waits.outcome(state, landed), landed)
                 del self._bound[req_id]
                 self._loaded.discard(req_id)
-            elif not prefetch._may_wait(state, landed):
+            elif not waits.may_wait(state, landed):
                 # As a waiting request gives up: the reads not started are cancelled,
                 # the chunks that have not landed are recomputed.
-                prefetch._give_up(state, landed)
+                waits.give_up(state, landed)
                 abandon.append(load_job)
                 del self._bound[req_id]
         return abandon
