@@ -35,7 +35,7 @@ from vllm_draft_offload.bench.stress.state import container_sizes
 from vllm_draft_offload.l3_background import MAX_LATE_LOOKUPS
 from vllm_draft_offload.l3_cost import WINDOW
 from vllm_draft_offload.l3_decisions import KEEP
-from vllm_draft_offload.l3_tier import MAX_BROKEN_KEYS
+from vllm_draft_offload.l3_lookup import MAX_BROKEN_KEYS
 from vllm_draft_offload.l3_writes import RECORD_KEYS
 from vllm_draft_offload.metrics import (
     NUMBER_SECTIONS,

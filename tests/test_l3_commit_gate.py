@@ -14,7 +14,7 @@ from test_l3_tier import CHUNK, l3_engine
 from test_l3_writes import chunk_keys, settle_writes, store_for
 from vllm.v1.outputs import KVConnectorOutput
 
-from vllm_draft_offload.l3_tier import object_key
+from vllm_draft_offload.l3_objects import object_key
 from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
 from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
 

@@ -25,9 +25,10 @@ from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.cpu_index import CpuTierIndex
 from vllm_draft_offload.hit_logic import PrefixMatch
 from vllm_draft_offload.l3_decisions import L3Decision
+from vllm_draft_offload.l3_lookup import SchedulerL3
+from vllm_draft_offload.l3_objects import object_key
 from vllm_draft_offload.l3_prefetch import L3Prefetch
 from vllm_draft_offload.l3_store import L3Store
-from vllm_draft_offload.l3_tier import SchedulerL3, object_key
 from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.unit_codec import (

@@ -21,8 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.cpu_index import CpuTierIndex, UnitId
 from vllm_draft_offload.hit_logic import PrefixMatch, StoredUnitView, match_prefix
+from vllm_draft_offload.l3_lookup import SchedulerL3
+from vllm_draft_offload.l3_objects import object_key
 from vllm_draft_offload.l3_prefetch import RANK_MISMATCH, L3Prefetch
-from vllm_draft_offload.l3_tier import SchedulerL3, object_key
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.unit_codec import LayerSpec, UnitIdentity, encode_unit, make_header
 

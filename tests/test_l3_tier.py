@@ -15,7 +15,7 @@ import pytest
 from kv_sim import SimEngine, SimSetup, prompt, write_tiny_llama
 
 from vllm_draft_offload import unit_fetch
-from vllm_draft_offload.l3_tier import object_key
+from vllm_draft_offload.l3_objects import object_key
 from vllm_draft_offload.unit_codec import layer_view, pack_unit, read_header
 
 CHUNK = 32

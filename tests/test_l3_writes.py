@@ -18,12 +18,13 @@ import pytest
 from kv_sim import SimEngine, prompt
 from test_l3_tier import CHUNK, L3_EXTRA, l3_engine
 
-from vllm_draft_offload import l3_tier, unit_write
+from vllm_draft_offload import l3_write_behind, unit_write
 from vllm_draft_offload.chunk_keys import ChunkKeyChain
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.cpu_index import CpuTierIndex
+from vllm_draft_offload.l3_objects import object_key
 from vllm_draft_offload.l3_store import L3Store
-from vllm_draft_offload.l3_tier import WorkerL3, object_key
+from vllm_draft_offload.l3_worker import WorkerL3
 from vllm_draft_offload.l3_writes import L3WritePlanner, PlannedUnit, part_remover
 from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
 from vllm_draft_offload.metrics import DraftOffloadStats
@@ -338,13 +339,13 @@ def test_writes_of_one_store_job_run_in_parallel(
     worker_l3 = eng.worker.worker.l3
     assert worker_l3 is not None and worker_l3.write_threads == 4
     barrier = threading.Barrier(4, timeout=10)
-    real_encode = l3_tier.copy_unit_into
+    real_encode = l3_write_behind.copy_unit_into
 
     def encode_together(*args: object, **kwargs: object) -> object:
         barrier.wait()
         return real_encode(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(l3_tier, "copy_unit_into", encode_together)
+    monkeypatch.setattr(l3_write_behind, "copy_unit_into", encode_together)
     published = _four_chunks_written(eng, seed=53)
     assert "store_failed" not in published.get("fallbacks", {})
     assert published["chunks"]["store/l3"] == 4
@@ -359,7 +360,7 @@ def test_write_threads_bound_writes_in_flight_and_threads_are_clocked(
     worker_l3 = eng.worker.worker.l3
     assert worker_l3 is not None and worker_l3.write_threads == 2
     lock, running, most = threading.Lock(), [0], [0]
-    real_copy = l3_tier.copy_unit_into
+    real_copy = l3_write_behind.copy_unit_into
 
     def counted_copy(*args: object, **kwargs: object) -> object:
         with lock:
@@ -372,7 +373,7 @@ def test_write_threads_bound_writes_in_flight_and_threads_are_clocked(
             with lock:
                 running[0] -= 1
 
-    monkeypatch.setattr(l3_tier, "copy_unit_into", counted_copy)
+    monkeypatch.setattr(l3_write_behind, "copy_unit_into", counted_copy)
     published = _four_chunks_written(eng, seed=54)
     assert published["chunks"]["store/l3"] == 4
     assert most[0] == 2
@@ -456,7 +457,7 @@ def test_writes_are_held_while_a_request_waits_on_storage(
     gate = threading.Event()
     starts: list[tuple[bool, int]] = []  # (writes held, writes in flight) as each starts
     started_at: list[float] = []
-    real_copy = l3_tier.copy_unit_into
+    real_copy = l3_write_behind.copy_unit_into
 
     def copy_when_let(*args: object, **kwargs: object) -> object:
         starts.append((worker_l3._hold_writes, worker_l3._writes_in_flight))
@@ -464,7 +465,7 @@ def test_writes_are_held_while_a_request_waits_on_storage(
         gate.wait(10)
         return real_copy(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(l3_tier, "copy_unit_into", copy_when_let)
+    monkeypatch.setattr(l3_write_behind, "copy_unit_into", copy_when_let)
     eng.add_request("fresh", prompt(55, 6 * CHUNK + 2), max_tokens=1)
     serve(eng)
     deadline = time.monotonic() + 10
@@ -484,7 +485,7 @@ def test_writes_are_held_while_a_request_waits_on_storage(
     assert len(starts) == 6
     assert starts[2:] == [(True, 1)] * 4
     # The two writes running went on; the next started only once the hold ran out.
-    assert started_at[2] - held_at >= l3_tier.WRITES_HELD_MAX_S - 0.01
+    assert started_at[2] - held_at >= l3_write_behind.WRITES_HELD_MAX_S - 0.01
 
     eng.run_prefill("hit")
     assert eng.external_hits["hit"] == 3 * CHUNK

@@ -19,7 +19,8 @@ from test_l3_tier import CHUNK, fill_l3, finish_l3_writes, l3_engine
 
 from vllm_draft_offload.chunk_keys import ChunkKeyChain
 from vllm_draft_offload.config import ConfigError, parse_config
-from vllm_draft_offload.l3_tier import WorkerL3, object_key
+from vllm_draft_offload.l3_objects import object_key
+from vllm_draft_offload.l3_worker import WorkerL3
 from vllm_draft_offload.worker_side import DraftOffloadWorker
 
 # Waiting on the storage is bounded by the test, not by the wait allowance.
@@ -277,7 +278,7 @@ def test_a_drain_does_not_hide_landings_from_overlapped_loads(
     """A fetch that lands between a step's get_transfer_results and its worker-metadata
     drain is reported to the scheduler by the drain and must still reach the overlapped
     loads at the next step (a real CPU engine waited forever on such a unit)."""
-    from vllm_draft_offload.l3_tier import FetchResult
+    from vllm_draft_offload.l3_worker import FetchResult
     from vllm_draft_offload.metadata import DraftOffloadWorkerMetadata
 
     eng = l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from vllm_draft_offload.l3_cost import WINDOW, PrefillEstimate, Sample
 
 if TYPE_CHECKING:
-    from vllm_draft_offload.l3_tier import SchedulerL3
+    from vllm_draft_offload.l3_lookup import SchedulerL3
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from vllm_draft_offload.hit_logic import PrefixMatch
 from vllm_draft_offload.l3_background import BackgroundProbe
 from vllm_draft_offload.l3_cost import PROBE_UNITS, CostModel
 from vllm_draft_offload.l3_decisions import L3Decision
+from vllm_draft_offload.l3_lookup import SchedulerL3
 from vllm_draft_offload.l3_request import L3RequestState
-from vllm_draft_offload.l3_tier import SchedulerL3
 from vllm_draft_offload.l3_waits import FETCH_TOO_SLOW, L3Waits
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.restore_overlap import OverlapRestores

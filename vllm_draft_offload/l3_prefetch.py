@@ -30,7 +30,7 @@ from vllm_draft_offload.l3_cost import CostModel
 from vllm_draft_offload.l3_decisions import DecisionLog
 from vllm_draft_offload.l3_fetches import FetchBook
 from vllm_draft_offload.l3_hit_driver import L3HitDriver
-from vllm_draft_offload.l3_tier import SchedulerL3
+from vllm_draft_offload.l3_lookup import SchedulerL3
 from vllm_draft_offload.l3_waits import L3Waits
 from vllm_draft_offload.metadata import FETCH_CANCELLED, FetchJob
 from vllm_draft_offload.metrics import DraftOffloadStats

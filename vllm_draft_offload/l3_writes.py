@@ -328,7 +328,7 @@ def part_remover(store: L3Store | None, world_size: int) -> Callable[[bytes], No
         return None
 
     def remove(chunk_key: bytes) -> None:
-        from vllm_draft_offload.l3_tier import object_key  # LMCache only with its tier
+        from vllm_draft_offload.l3_objects import object_key  # LMCache only with its tier
 
         for rank in range(world_size):
             store.remove(object_key(chunk_key, rank))

@@ -91,8 +91,8 @@ class DraftOffloadScheduler:
         self.l3: L3Prefetch | None = None
         if config.l3.enabled:
             # LMCache is imported only when its tier is configured.
+            from vllm_draft_offload.l3_lookup import SchedulerL3
             from vllm_draft_offload.l3_prefetch import L3Prefetch
-            from vllm_draft_offload.l3_tier import SchedulerL3
 
             self.l3 = L3Prefetch(
                 SchedulerL3(config.l3, world_size),

@@ -21,7 +21,7 @@ from vllm_draft_offload.metrics import DraftOffloadStats
 
 if TYPE_CHECKING:
     from vllm_draft_offload.geometry import UnitLayout
-    from vllm_draft_offload.l3_tier import FetchResult, WorkerL3
+    from vllm_draft_offload.l3_worker import FetchResult, WorkerL3
     from vllm_draft_offload.worker_audit import SlotChecksums
 
 

@@ -55,7 +55,7 @@ from vllm_draft_offload.worker_stores import InflightStore, StoreTracker
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from vllm_draft_offload.l3_tier import WorkerL3
+    from vllm_draft_offload.l3_worker import WorkerL3
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class DraftOffloadWorker:
         if self.config.audit:
             self.checksums = SlotChecksums(layout, self.pool)
         if self.config.l3.enabled:
-            from vllm_draft_offload.l3_tier import WorkerL3
+            from vllm_draft_offload.l3_worker import WorkerL3
 
             self.l3 = WorkerL3(self.config.l3, layout, self.pool, self.drafter_id, self.rank)
             self._l3_link = L3Link(self.l3, layout, self.stats)

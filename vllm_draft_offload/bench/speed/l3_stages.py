@@ -86,7 +86,8 @@ from vllm_draft_offload.config import L3Config
 from vllm_draft_offload.geometry import GroupLayout, LayerSlot, UnitLayout
 from vllm_draft_offload.l3_backends import inner_connector, make_key
 from vllm_draft_offload.l3_fs_reads import ObjectFile
-from vllm_draft_offload.l3_tier import WorkerL3, object_key
+from vllm_draft_offload.l3_objects import object_key
+from vllm_draft_offload.l3_worker import WorkerL3
 from vllm_draft_offload.metadata import L3WriteOrder
 from vllm_draft_offload.transfers import HostPool
 
