@@ -114,6 +114,11 @@ class L3WriteBehind:
 
     def fail_writes(self, orders: list[L3WriteOrder]) -> None:
         """The store of these units failed on this rank: there is nothing to write."""
+        self._drop_orders(orders)
+
+    def _drop_orders(self, orders: list[L3WriteOrder]) -> int:
+        """Give up the writes of these orders; how many had not been cancelled already."""
+        dropped = 0
         with self._write_cv:
             for order in orders:
                 self._awaiting_store.discard(order.write_id)
@@ -121,19 +126,13 @@ class L3WriteBehind:
                     self._cancelled.discard(order.write_id)
                     continue
                 self._give_up(order.write_id)
+                dropped += 1
+        return dropped
 
     def abandon_writes(self, orders: list[L3WriteOrder]) -> None:
         """Shutdown: these orders were never confirmed by the scheduler, so they are not
         written; counted (and logged) as lost."""
-        lost = 0
-        with self._write_cv:
-            for order in orders:
-                self._awaiting_store.discard(order.write_id)
-                if order.write_id in self._cancelled:
-                    self._cancelled.discard(order.write_id)
-                    continue
-                self._give_up(order.write_id)
-                lost += 1
+        lost = self._drop_orders(orders)
         if lost:
             self.lost_at_shutdown += lost
             logger.warning(
