@@ -124,10 +124,10 @@
 #   decode-8b-b64  decode-overhead at the 8B shape, none and store, 64 requests a batch
 #             (GPU-bound decode: less host jitter per pair), 16 pairs an engine (about 9
 #             min, estimated): /root/decode_8b_b64.json
-#   decode-8b-b64-paths  decode-8b-b64 for stores forced onto the page kernel (SMs, no
-#             copy engine) and the default path, 16 pairs each: whether the 6 % the
-#             default stores cost at 64 requests is their DMA queueing ahead of vLLM's
-#             own copies (about 9 min, estimated): /root/decode_8b_b64_paths.json
+#   decode-8b-b64-paths  decode-8b-b64 for stores forced onto DMA (copy engines, no SMs)
+#             and the default path (decode chunks on the pair kernel), 16 pairs each:
+#             whether the 6 % the default stores cost at 64 requests is the kernel's SMs
+#             or the copy engine (about 9 min, estimated): /root/decode_8b_b64_paths.json
 #   pinned-read  scripts/gpu/pinned_read.py: warm page-cache reads on 4, 8 and 12 threads
 #             into a pageable buffer, the same buffer registered with the driver (as the
 #             CPU tier is) and a cudaHostAlloc one: whether the in-engine warm fetch's
@@ -341,7 +341,7 @@ declare -A CMD=(
   [decode-8b-b64]="vllm-draft-offload decode-overhead --shape llama8b --configs none,store \
       --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 --out /root/decode_8b_b64.json"
   [decode-8b-b64-paths]="vllm-draft-offload decode-overhead --shape llama8b \
-      --configs store_kernel,store --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --configs store_dma,store --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 \
       --out /root/decode_8b_b64_paths.json"
   [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"
   [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
