@@ -9,6 +9,7 @@ way the worker calls it: ``run_layers`` for a step's loads, ``run`` for a store.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import pytest
@@ -157,6 +158,55 @@ class Rig:
         return parts
 
 
+class DeviceLayers(Protocol):
+    """What the page and pair kernel tests' rigs share."""
+
+    regions: list[LayerRegion]
+    device: list[torch.Tensor]
+
+    def block(self, layer: int, block: int) -> torch.Tensor: ...
+
+
+def fill_random(
+    rig: DeviceLayers, rng: np.random.Generator, src_blocks: list[list[int]]
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Random bytes in every layer of ``rig`` (either test's rig); what each layer's
+    ``src_blocks`` of its group hold, by (layer, block)."""
+    for layer, tensor in enumerate(rig.device):
+        tensor.copy_(torch.from_numpy(rng.integers(0, 256, tensor.numel(), dtype=np.uint8)))
+        assert rig.block(layer, 0).any()
+    return {
+        (layer, b): rig.block(layer, b).clone()
+        for layer, region in enumerate(rig.regions)
+        for b in src_blocks[region.group_index]
+    }
+
+
+def assert_loaded(
+    rig: DeviceLayers,
+    src_blocks: list[list[int]],
+    dst_blocks: list[list[int]],
+    expected: dict[tuple[int, int], torch.Tensor],
+    num_blocks: int,
+) -> None:
+    """After a load into zeroed layers: each layer's ``dst_blocks`` hold, bit for bit,
+    what its ``src_blocks`` held (``fill_random``), every other block and the padding
+    between blocks are untouched."""
+    for layer, region in enumerate(rig.regions):
+        g = region.group_index
+        moved = dict(zip(dst_blocks[g], src_blocks[g], strict=True))
+        for block in range(num_blocks):
+            got = rig.block(layer, block)
+            if block in moved:
+                assert torch.equal(got, expected[(layer, moved[block])]), (layer, block)
+            else:
+                assert not got.any(), (layer, block)
+        # Padding between blocks is never written.
+        stride, page = region.device_block_stride, region.slot.page_bytes
+        pad = rig.device[layer].view(num_blocks, stride)[:, page:]
+        assert not pad.any()
+
+
 def _non_contiguous_blocks(rng: np.random.Generator, count: int, num_blocks: int) -> list[int]:
     """Distinct block ids: an ascending run of three (which merges), then the others
     in random order (jumps and descents, which do not). Never block 0, vLLM's null block."""
@@ -201,14 +251,7 @@ def test_round_trip_is_bit_exact(
         _non_contiguous_blocks(rng, len(slots) * per_chunk[g], num_blocks)
         for g in sorted(per_chunk)
     ]
-    for layer, tensor in enumerate(rig.device):
-        tensor.copy_(torch.from_numpy(rng.integers(0, 256, tensor.numel(), dtype=np.uint8)))
-        assert rig.block(layer, 0).any()
-    expected = {
-        (layer, b): rig.block(layer, b).clone()
-        for layer, region in enumerate(rig.regions)
-        for b in src_blocks[region.group_index]
-    }
+    expected = fill_random(rig, rng, src_blocks)
     page_bytes = [r.slot.page_bytes for r in rig.regions]
     engine = CopyEngine(setting, rig.pool, page_bytes, on_device=False, rules=RULES)  # type: ignore[arg-type]
     assert engine.path == setting
@@ -223,19 +266,7 @@ def test_round_trip_is_bit_exact(
     loads = rig.layer_descriptors(slots, dst_blocks, to_host=False)
     keepalive, events = engine.run_layers(loads, "load", None)
     assert keepalive == [] and events == [None] * len(rig.regions)
-    for layer, region in enumerate(rig.regions):
-        g = region.group_index
-        moved = dict(zip(dst_blocks[g], src_blocks[g], strict=True))
-        for block in range(num_blocks):
-            got = rig.block(layer, block)
-            if block in moved:
-                assert torch.equal(got, expected[(layer, moved[block])]), (layer, block)
-            else:
-                assert not got.any(), (layer, block)
-        # Padding between blocks is never written.
-        stride, page = region.device_block_stride, region.slot.page_bytes
-        pad = rig.device[layer].view(num_blocks, stride)[:, page:]
-        assert not pad.any()
+    assert_loaded(rig, src_blocks, dst_blocks, expected, num_blocks)
     # The kernel really moved pages where the setting says it should.
     kernel_bytes = sum(
         plan_copies(d, "load", setting, engine.tile, RULES).kernel.num_bytes  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from test_page_kernel import assert_16_byte_accesses_on_sm90
+from test_page_kernel import assert_16_byte_accesses_on_sm90, assert_loaded, fill_random
 
 from vllm_draft_offload import pair_kernel
 from vllm_draft_offload.copy_paths import CopyEngine
@@ -124,13 +124,7 @@ def test_pair_round_trip_is_bit_exact(
     slots = [3, 0, 4] if pages[0] < (1 << 20) else [3]
     host_pages = rig.pages(slots)
     src_blocks = [_scattered(rng, len(p), num_blocks) for p in host_pages]
-    for tensor in rig.device:
-        tensor.copy_(torch.from_numpy(rng.integers(0, 256, tensor.numel(), dtype=np.uint8)))
-    expected = {
-        (layer, b): rig.block(layer, b).clone()
-        for layer, region in enumerate(rig.regions)
-        for b in src_blocks[region.group_index]
-    }
+    expected = fill_random(rig, rng, src_blocks)
     copier = rig.copier(setting)
     if mode == "pieces":
         copier.engine.first_piece_descriptors, copier.engine.piece_descriptors = 2, 5
@@ -144,17 +138,7 @@ def test_pair_round_trip_is_bit_exact(
     order = sorted(range(len(rig.regions)), key=lambda i: rig.regions[i].slot.is_draft)
     keepalive, events = copier.run_layers(load, order, "load", None)
     assert events == [None] * len(order)
-    for layer, region in enumerate(rig.regions):
-        g = region.group_index
-        moved = dict(zip(dst_blocks[g], src_blocks[g], strict=True))
-        for block in range(num_blocks):
-            got = rig.block(layer, block)
-            if block in moved:
-                assert torch.equal(got, expected[(layer, moved[block])]), (layer, block)
-            else:
-                assert not got.any(), (layer, block)
-        stride, page = region.device_block_stride, region.slot.page_bytes
-        assert not rig.device[layer].view(num_blocks, stride)[:, page:].any()
+    assert_loaded(rig, src_blocks, dst_blocks, expected, num_blocks)
     # The pair kernel moved what the setting sends to it: every layer (kernel), the
     # layers of pages up to the direction's rule (auto; scattered blocks never merge).
     stored, loaded = launches[:store_launches], launches[store_launches:]
