@@ -148,6 +148,12 @@ def _copyable(
     )
 
 
+def stores_nothing(request: Request, config: DraftOffloadConfig, allowed: bool) -> bool:
+    """Whether no chunk of the request may be stored now: it opted out (``allowed``
+    false) or it is still shorter than ``min_store_tokens``."""
+    return not allowed or request.num_tokens < config.min_store_tokens
+
+
 def no_chunk_completes(
     request: Request,
     next_chunk: int,
@@ -163,7 +169,7 @@ def no_chunk_completes(
     storable again). Most decode steps of most requests; ``store_range`` costs about ten
     times as much. The caller need not lower its next chunk as ``store_range`` would
     after a failed load: ``store_range`` lowers it again whenever it runs."""
-    if not allowed or request.num_tokens < config.min_store_tokens:
+    if stores_nothing(request, config, allowed):
         return True
     start = next_chunk * chunk_size
     return computed_after_step < start + chunk_size and request.num_computed_tokens >= start
@@ -193,7 +199,7 @@ def store_range(
     # vLLM lowers num_computed_tokens when a load fails (recompute policy): chunks
     # past it are recomputed, and only what is recomputed may be stored.
     first = min(next_chunk, request.num_computed_tokens // chunk_size)
-    if not allowed or request.num_tokens < config.min_store_tokens:
+    if stores_nothing(request, config, allowed):
         return first, first
     return first, limit
 
