@@ -128,6 +128,16 @@
 #             and the default path (decode chunks on the pair kernel), 16 pairs each:
 #             whether the 6 % the default stores cost at 64 requests is the kernel's SMs
 #             or the copy engine (about 9 min, estimated): /root/decode_8b_b64_paths.json
+#   decode-8b-b64-diag  decode-overhead at the 8B shape, 64 requests a batch, one engine each
+#             of none, null (vLLM's connector plumbing), idle (ours, storing nothing) and
+#             store, 3 pairs each: whether the store engine's 0.84 x none with its stores
+#             off (session 25) is any connector's, ours idle, or engine spread (about 9 min,
+#             estimated): /root/decode_8b_b64_diag.json
+#   decode-8b-b64-prof  none and idle at 64 requests, one pair and a batch under
+#             torch.profiler each, in the child's process: GPU busy time against wall
+#             (about 5 min, estimated): /root/decode_8b_b64_prof.json
+#   decode-8b-b64-paths8  decode-8b-b64-paths with 8 pairs an engine (about 6 min,
+#             estimated): /root/decode_8b_b64_paths8.json
 #   pinned-read  scripts/gpu/pinned_read.py: warm page-cache reads on 4, 8 and 12 threads
 #             into a pageable buffer, the same buffer registered with the driver (as the
 #             CPU tier is) and a cudaHostAlloc one: whether the in-engine warm fetch's
@@ -343,6 +353,15 @@ declare -A CMD=(
   [decode-8b-b64-paths]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs store_dma,store --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 \
       --out /root/decode_8b_b64_paths.json"
+  [decode-8b-b64-diag]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs none,null,idle,store --reps 3 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --out /root/decode_8b_b64_diag.json"
+  [decode-8b-b64-prof]="vllm-draft-offload decode-overhead --shape llama8b --configs none,idle \
+      --reps 1 --batch 64 --turn-prompts 0 --profile --engine-timeout 600 \
+      --out /root/decode_8b_b64_prof.json"
+  [decode-8b-b64-paths8]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store_dma,store --reps 8 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --out /root/decode_8b_b64_paths8.json"
   [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"
   [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
       --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \
@@ -404,9 +423,6 @@ fixtures)
   bg fx-mtp "bash scripts/gpu/fixtures.sh /root/fx-mtp --only glm-mtp,glm-mtp2,dsv3-mla-mtp; echo fx-mtp-done"
   bg fx-swa "bash scripts/gpu/fixtures.sh /root/fx-swa --sliding-window 512; echo fx-swa-done"
   sleep 5; tail -n 2 "$L"/fx*.log ;;
-fx|fx-mtp|fx-mtp-swa|fx-all|fx-long|fx-long-all|accept|accept-mtp|accept-swa|accept-long|accept-long2|serve|pressure|pressure-l3|pressure-both|l3-writes2|l3-probe|l3|l3-restart|l3-variants|decode|decode-diag|decode-8b|decode-paths|copy-sweep|copy-table|speed-table|l3-probe2|l3-overlap|decode-8b-rounds|decode-8b-paired|decode-small-paired|decode-8b-hooks|decode-8b-paired2|l3-pieces|decode-8b-machine|decode-8b-machine2|decode-8b-procs|decode-8b-dma|decode-8b-dma12|l3-threads|l3-native|copy-4k|decode-8b-many|decode-small-many|accept-llama|l3-native10|l3-restart2|decode-8b-b64|decode-8b-b64-paths|pinned-read|soak-null|soak-switch|soak-spy|soak-final|decode-prof|soak|soak-order|soak-order-stores|soak-alt1|soak-alt2|hybrid|hybrid-speed)
-  bg "$phase" "${CMD[$phase]}; echo $phase-done"
-  sleep 3; tail -n 3 "$L/$phase.log" ;;
 chain)
   shift
   script=""
@@ -477,5 +493,11 @@ collect)
   fi
   ls -la "$OUT" ;;
 *)
-  awk 'NR > 1 && !/^#/ {exit} NR > 1' "$SELF"; exit 2 ;;
+  # every phase of CMD runs in the background; anything else prints the phases
+  if [ -n "$phase" ] && [ -n "${CMD[$phase]:-}" ]; then
+    bg "$phase" "${CMD[$phase]}; echo $phase-done"
+    sleep 3; tail -n 3 "$L/$phase.log"
+  else
+    awk 'NR > 1 && !/^#/ {exit} NR > 1' "$SELF"; exit 2
+  fi ;;
 esac
