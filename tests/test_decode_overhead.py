@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -473,6 +474,72 @@ def test_machine_sampler_sees_this_process_keep_a_core_busy() -> None:
     assert 0.0 <= summary["steal_share"] <= 1.0
     if summary["sm_clock_mhz"] is None:  # no GPU here: its fields say so
         assert summary["power_w"] is None and summary["gpu_util_pct"] is None
+
+
+def test_machine_sampler_names_the_thread_that_kept_a_core_busy() -> None:
+    """A spinning thread of a watched process comes first, under its OS name (read
+    while it lives: a thread that has ended has no CPU time to read)."""
+    done = threading.Event()
+
+    def spin() -> None:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+            comm.write("spinner")
+        end = time.perf_counter() + 0.4
+        while time.perf_counter() < end:
+            pass
+        done.wait()
+
+    thread = threading.Thread(target=spin)
+    with ms.MachineSampler(period_s=0.02, watch=(psutil.Process().name(),)) as sampler:
+        thread.start()
+        time.sleep(0.5)
+    done.set()
+    thread.join()
+    mine = sampler.summary["threads"][str(os.getpid())]
+    assert mine[0]["name"] == "spinner" and mine[0]["cpu_s"] >= 0.2
+    assert len(mine) <= ms.TOP_THREADS
+
+
+def test_gc_pauses_read_vllms_gc_debugger_lines() -> None:
+    """Lines the real GC debugger logs for real collections, amid other log lines."""
+    import gc
+    import io
+    import logging
+
+    from vllm.utils import gc_utils
+
+    debugger = gc_utils.GCDebugger(gc_utils.GCDebugConfig("1"))
+    sink = io.StringIO()
+    handler = logging.StreamHandler(sink)
+    level = gc_utils.logger.level
+    gc_utils.logger.addHandler(handler)
+    gc_utils.logger.setLevel(logging.INFO)  # as an engine logs it (VLLM_LOGGING_LEVEL)
+    gc.callbacks.append(debugger.handle)
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(debugger.handle)
+        gc_utils.logger.removeHandler(handler)
+        gc_utils.logger.setLevel(level)
+    log = "INFO engine started\n" + sink.getvalue() + "decode-overhead llama8b none\n"
+    pauses = ms.gc_pauses(log)
+    assert pauses["0"]["count"] == 1 and pauses["2"]["count"] == 1
+    assert pauses["2"]["total_ms"] == pauses["2"]["max_ms"] >= 0
+    assert ms.gc_pauses(
+        "GC took 2.5ms to complete. Collected 3 objects (out of 9) in GC "
+        "generation 1.\nGC took 1.5ms to complete. Collected 0 objects (out "
+        "of 4) in GC generation 1."
+    ) == {"1": {"count": 2, "total_ms": 4.0, "max_ms": 2.5}}
+
+
+def test_busy_threads_count_a_new_thread_from_zero() -> None:
+    before = {10: ("loop", 4.0), 11: ("zmq", 1.0)}
+    after = {10: ("loop", 5.5), 11: ("zmq", 1.0), 12: ("new", 0.5)}
+    assert ms.busy_threads(before, after) == [
+        {"tid": 10, "name": "loop", "cpu_s": 1.5},
+        {"tid": 12, "name": "new", "cpu_s": 0.5},
+    ]
 
 
 def test_pool_reports_joins_every_files_pairs_per_shape_and_config(tmp_path: Path) -> None:

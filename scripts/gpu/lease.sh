@@ -138,6 +138,14 @@
 #             (about 5 min, estimated): /root/decode_8b_b64_prof.json
 #   decode-8b-b64-paths8  decode-8b-b64-paths with 8 pairs an engine (about 6 min,
 #             estimated): /root/decode_8b_b64_paths8.json
+#   decode-8b-b64-gc  none, null and idle at 64 requests, 3 pairs each, with vLLM's GC
+#             debugger on (VLLM_GC_DEBUG=1: every collection's pause, summed per engine
+#             as gc_pauses) and each batch's busiest engine threads: whether the slow
+#             batches' extra engine CPU is the collector's (about 9 min, estimated):
+#             /root/decode_8b_b64_gc.json
+#   l3-reads12  l3-restart with a warm restart on 12 read threads and the default 8
+#             write threads (variant reads12), raw reads on 8 and 12 threads (about 7
+#             min, estimated): /root/restore_speed_l3_reads12.json
 #   pinned-read  scripts/gpu/pinned_read.py: warm page-cache reads on 4, 8 and 12 threads
 #             into a pageable buffer, the same buffer registered with the driver (as the
 #             CPU tier is) and a cudaHostAlloc one: whether the in-engine warm fetch's
@@ -362,6 +370,12 @@ declare -A CMD=(
   [decode-8b-b64-paths8]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs store_dma,store --reps 8 --batch 64 --turn-prompts 0 --engine-timeout 600 \
       --out /root/decode_8b_b64_paths8.json"
+  [decode-8b-b64-gc]="VLLM_GC_DEBUG=1 vllm-draft-offload decode-overhead --shape llama8b \
+      --configs none,null,idle --reps 3 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --out /root/decode_8b_b64_gc.json"
+  [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+      --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \
+      --out /root/restore_speed_l3_reads12.json; rm -rf /root/l3r3"
   [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"
   [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
       --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import statistics
 import threading
 import time
@@ -37,6 +38,7 @@ CLOCK_REASONS = {
     0x100: "display_clock_setting",
 }
 TOP_PROCESSES = 5  # the processes that used the most CPU in a window, by name
+TOP_THREADS = 6  # the threads of the busiest process that used the most CPU in a window
 
 
 @functools.cache
@@ -100,13 +102,68 @@ def top_processes(
     return [row for row in used[:TOP_PROCESSES] if row["cpu_s"] > 0]
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of each thread of ``pid`` (user + system), by thread id, with
+    the thread's name (``/proc/PID/task/TID/comm``); empty once the process is gone."""
+    try:
+        threads = psutil.Process(pid).threads()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return {}
+    seconds = {}
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread.id}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:
+            name = "?"
+        seconds[thread.id] = (name, thread.user_time + thread.system_time)
+    return seconds
+
+
+def busy_threads(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> list[dict[str, Any]]:
+    """The ``TOP_THREADS`` threads that used the most CPU between two readings of one
+    process: which of an engine's threads (its loop, the output or input socket's,
+    CUDA's) did a slow batch's extra host work."""
+    used = [
+        {"tid": tid, "name": name, "cpu_s": total - before.get(tid, (name, 0.0))[1]}
+        for tid, (name, total) in after.items()
+    ]
+    used.sort(key=lambda row: -row["cpu_s"])
+    return [row for row in used[:TOP_THREADS] if row["cpu_s"] > 0]
+
+
+# vLLM's GC debugger's line (VLLM_GC_DEBUG=1, vllm/utils/gc_utils.py), one per collection
+# and per callback attached (an engine core with its worker in one process attaches two).
+GC_LINE = re.compile(r"GC took ([0-9.]+)ms to complete\. .* in GC generation (\d)")
+
+
+def gc_pauses(log: str) -> dict[str, dict[str, float]]:
+    """Per generation, the collections vLLM's GC debugger logged in ``log``: how many,
+    their total and their longest milliseconds (an engine whose loop stops for the
+    collector leaves its GPU idle meanwhile)."""
+    pauses: dict[str, dict[str, float]] = {}
+    for match in GC_LINE.finditer(log):
+        ms, generation = float(match.group(1)), match.group(2)
+        row = pauses.setdefault(generation, {"count": 0, "total_ms": 0.0, "max_ms": 0.0})
+        row["count"] += 1
+        row["total_ms"] = round(row["total_ms"] + ms, 3)
+        row["max_ms"] = max(row["max_ms"], ms)
+    return pauses
+
+
 class MachineSampler:
     """``with MachineSampler() as sampler: ...`` then ``sampler.summary``: the window's
     CPU shares and the GPU's SM clock (min, median, max MHz), median power and
-    utilization, and every clock-limiting reason seen."""
+    utilization, every clock-limiting reason seen, and the threads of the processes
+    named ``watch`` that used the most CPU (``threads``, by pid)."""
 
-    def __init__(self, period_s: float = 0.1) -> None:
+    def __init__(
+        self, period_s: float = 0.1, watch: tuple[str, ...] = ("VLLM::EngineCore",)
+    ) -> None:
         self.period_s = period_s
+        self.watch = watch
         self.summary: dict[str, Any] = {}
         self._handle = _nvml_handle()
         self._stop = threading.Event()
@@ -137,6 +194,11 @@ class MachineSampler:
         self._start_s = time.perf_counter()
         self._cpu_before = psutil.cpu_times()
         self._procs_before = process_cpu_seconds()
+        self._threads_before = {
+            pid: thread_cpu_seconds(pid)
+            for pid, (name, _) in self._procs_before.items()
+            if name in self.watch
+        }
         self._thread.start()
         return self
 
@@ -153,6 +215,10 @@ class MachineSampler:
             "cpus": psutil.cpu_count(),
             **cpu_shares(self._cpu_before, psutil.cpu_times()),
             "top_processes": top_processes(self._procs_before, process_cpu_seconds()),
+            "threads": {
+                str(pid): busy_threads(before, thread_cpu_seconds(pid))
+                for pid, before in self._threads_before.items()
+            },
             "sm_clock_mhz": _spread(self._clocks),
             "power_w": statistics.median(self._power_w) if self._power_w else None,
             "gpu_util_pct": statistics.median(self._util) if self._util else None,

@@ -88,7 +88,7 @@ from typing import Any
 import numpy as np
 
 from vllm_draft_offload.bench.kv_configs import native_offloading_config
-from vllm_draft_offload.bench.machine_state import MachineSampler
+from vllm_draft_offload.bench.machine_state import MachineSampler, gc_pauses
 from vllm_draft_offload.bench.options import add_child_args, command_parser
 from vllm_draft_offload.bench.procs import run_child
 from vllm_draft_offload.bench.progress import progress
@@ -511,6 +511,8 @@ def run_shape(
             run = {"error": proc.stderr[-3000:], "stdout_tail": proc.stdout[-2000:]}
         else:
             run = json.loads(child_out.read_text())
+        if env.get("VLLM_GC_DEBUG", "0") != "0":
+            run["gc_pauses"] = gc_pauses(proc.stdout + proc.stderr)
         report["configs"][config].append(run)
         print(name, config, engine_line(run), flush=True)
         if checkpoint is not None:
