@@ -334,7 +334,7 @@ def test_writes_of_one_store_job_run_in_parallel(
 ) -> None:
     # Each write waits at a barrier for all of the job's other writes: serial
     # writes would break it (BrokenBarrierError -> store_failed), parallel ones pass.
-    l3 = {"enabled": True, "timeout_s": 5.0, "io_threads": 4}
+    l3 = {"enabled": True, "timeout_s": 5.0, "io_threads": 4, "write_threads": 4}
     eng = l3_engine(model_dirs, f"fs://{tmp_path / 'l3'}", extra_config={"l3": l3})
     worker_l3 = eng.worker.worker.l3
     assert worker_l3 is not None and worker_l3.write_threads == 4
@@ -386,11 +386,27 @@ def test_write_threads_bound_writes_in_flight_and_threads_are_clocked(
         parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"write_threads": 0}})
 
 
+@pytest.mark.parametrize(
+    ("cores", "reads", "writes"), [(1, 2, 2), (2, 2, 2), (8, 6, 4), (16, 12, 8), (64, 16, 16)]
+)
+def test_read_and_write_threads_default_from_the_host(
+    monkeypatch: pytest.MonkeyPatch, cores: int, reads: int, writes: int
+) -> None:
+    monkeypatch.setattr("vllm_draft_offload.config.os.cpu_count", lambda: cores)
+    config = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"enabled": True}})
+    assert (config.l3.io_threads, config.l3.writes_in_flight) == (reads, writes)
+    # Fewer read threads set by hand cap the default writes; set writes stand.
+    fewer = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 1}})
+    assert fewer.l3.writes_in_flight == 1
+    both = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 1, "write_threads": 5}})
+    assert both.l3.writes_in_flight == 5
+
+
 def test_io_threads_default_from_host_and_flush_timeout_checked() -> None:
     import os
 
     config = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"enabled": True}})
-    assert config.l3.io_threads == min(16, max(2, (os.cpu_count() or 4) // 2))
+    assert config.l3.io_threads == min(16, max(2, (os.cpu_count() or 4) * 3 // 4))
     assert config.pending_write_bytes == 1 << 29
     explicit = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 3}})
     assert explicit.l3.io_threads == 3

@@ -80,7 +80,7 @@ class WorkerL3(L3WriteBehind):
             logger.info("DraftOffloadConnector: L3 fetches and writes use the %s loop", reader())
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind (l3_write_behind).
-        self._init_writes(config.write_threads or config.io_threads)
+        self._init_writes(config.writes_in_flight)
         self._read_pool = ThreadPoolExecutor(
             config.io_threads, thread_name_prefix="draft-offload-l3-read"
         )
