@@ -143,9 +143,13 @@
 #             as gc_pauses) and each batch's busiest engine threads: whether the slow
 #             batches' extra engine CPU is the collector's (about 9 min, estimated):
 #             /root/decode_8b_b64_gc.json
-#   l3-reads12  l3-restart with a warm restart on 12 read threads and the default 8
-#             write threads (variant reads12), raw reads on 8 and 12 threads (about 7
-#             min, estimated): /root/restore_speed_l3_reads12.json
+#   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
+#             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
+#             min): /root/restore_speed_l3_reads12.json
+#   l3-reads8  l3-restart on the defaults since session 27 (12 read and 8 write threads
+#             on 16 cores) with a warm restart on the defaults before (variant reads8:
+#             8 and 8), raw reads on 8 and 12 threads (about 5.5 min, estimated):
+#             /root/restore_speed_l3_reads8.json
 #   pinned-read  scripts/gpu/pinned_read.py: warm page-cache reads on 4, 8 and 12 threads
 #             into a pageable buffer, the same buffer registered with the driver (as the
 #             CPU tier is) and a cudaHostAlloc one: whether the in-engine warm fetch's
@@ -376,6 +380,9 @@ declare -A CMD=(
   [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \
       --out /root/restore_speed_l3_reads12.json; rm -rf /root/l3r3"
+  [l3-reads8]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+      --l3-variants reads8 --raw-threads 8,12 --l3-dir /root/l3r4 --drop-caches \
+      --out /root/restore_speed_l3_reads8.json; rm -rf /root/l3r4"
   [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"
   [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
       --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \
