@@ -33,9 +33,9 @@ from vllm.v1.request import RequestStatus
 
 from vllm_draft_offload.bench.stress.state import container_sizes
 from vllm_draft_offload.l3_background import MAX_LATE_LOOKUPS
-from vllm_draft_offload.l3_cost import WINDOW
 from vllm_draft_offload.l3_decisions import KEEP
 from vllm_draft_offload.l3_lookup import MAX_BROKEN_KEYS
+from vllm_draft_offload.l3_prefill_fit import WINDOW
 from vllm_draft_offload.l3_writes import RECORD_KEYS
 from vllm_draft_offload.metrics import (
     NUMBER_SECTIONS,

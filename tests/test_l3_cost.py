@@ -18,13 +18,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from vllm_draft_offload import l3_calibration
-from vllm_draft_offload.l3_cost import (
-    WINDOW,
-    CostModel,
-    PrefillEstimate,
-    StorageEstimate,
-    fit_steps,
-)
+from vllm_draft_offload.l3_cost import CostModel, StorageEstimate
 from vllm_draft_offload.l3_first_landing import (
     FIRST_LANDING_FACTOR,
     RESIDENT_LANDING_FACTOR,
@@ -32,6 +26,7 @@ from vllm_draft_offload.l3_first_landing import (
     may_wait_for_first_landing,
     may_wait_for_resident_probe,
 )
+from vllm_draft_offload.l3_prefill_fit import WINDOW, PrefillEstimate, fit_steps
 from vllm_draft_offload.metric_defs import PREFIX
 from vllm_draft_offload.metrics import DraftOffloadStats
 
@@ -61,11 +56,11 @@ def test_steps_only_take_samples_and_a_price_asked_for_fits_once(
     """The fit runs on the scheduler thread: not once per step (vLLM steps tens of times
     a second), but when a lookup asks for a price, and again only after REFIT_EVERY new
     samples; while no fit can be made, once per new sample asked about."""
-    from vllm_draft_offload import l3_cost
+    from vllm_draft_offload import l3_prefill_fit
 
     fits: list[int] = []
-    real_fit = l3_cost.fit_steps
-    monkeypatch.setattr(l3_cost, "fit_steps", lambda s: fits.append(1) or real_fit(s))
+    real_fit = l3_prefill_fit.fit_steps
+    monkeypatch.setattr(l3_prefill_fit, "fit_steps", lambda s: fits.append(1) or real_fit(s))
     est = PrefillEstimate()
     for _ in range(3):  # too few samples for a fit
         est.observe(512, 512 * 256.0, 0.01)
@@ -78,7 +73,7 @@ def test_steps_only_take_samples_and_a_price_asked_for_fits_once(
         est.observe(tokens, tokens * tokens / 2, 1e-5 * tokens + 0.002)
     assert len(fits) == 1  # steps alone never fit
     assert est.coef is not None and len(fits) == 2
-    for _ in range(l3_cost.REFIT_EVERY - 1):
+    for _ in range(l3_prefill_fit.REFIT_EVERY - 1):
         est.observe(300, 300 * 150.0, 0.005)
     first = est.coef
     assert len(fits) == 2 and first is est.coef  # fewer than REFIT_EVERY new: kept

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from vllm_draft_offload.l3_cost import WINDOW, PrefillEstimate, Sample
+from vllm_draft_offload.l3_prefill_fit import WINDOW, PrefillEstimate, Sample
 
 if TYPE_CHECKING:
     from vllm_draft_offload.l3_lookup import SchedulerL3
