@@ -15,13 +15,14 @@ import pytest
 
 from vllm_draft_offload.bench import cli
 from vllm_draft_offload.bench import machine_state as ms
+from vllm_draft_offload.bench.speed import decode_batches, decode_configs, decode_engine
 from vllm_draft_offload.bench.speed import decode_overhead as dec
 from vllm_draft_offload.bench.speed import decode_report as rep
 
 
 def test_store_config_stores_decode_and_none_has_no_connector() -> None:
-    assert dec.connector_config("none", 24, 256) is None
-    store = dec.connector_config("store", 1.5, 128)
+    assert decode_configs.connector_config("none", 24, 256) is None
+    store = decode_configs.connector_config("store", 1.5, 128)
     assert store is not None and store["kv_connector"] == "DraftOffloadConnector"
     assert store["kv_connector_extra_config"] == {
         "cpu_bytes_to_use": int(1.5 * 2**30),
@@ -29,25 +30,25 @@ def test_store_config_stores_decode_and_none_has_no_connector() -> None:
         "store_decode": True,
     }
     # idle: the connector's hooks run every step, but no request is long enough to store.
-    idle = dec.connector_config("idle", 1.5, 128, max_request_tokens=1600)
+    idle = decode_configs.connector_config("idle", 1.5, 128, max_request_tokens=1600)
     assert idle is not None and idle["kv_connector"] == "DraftOffloadConnector"
     assert idle["kv_connector_extra_config"]["min_store_tokens"] == 1601
     assert "copy_path" not in idle["kv_connector_extra_config"]
-    memcpy = dec.connector_config("store", 1.5, 128, copy_path="memcpy")
+    memcpy = decode_configs.connector_config("store", 1.5, 128, copy_path="memcpy")
     assert memcpy is not None and memcpy["kv_connector_extra_config"]["copy_path"] == "memcpy"
     with pytest.raises(ValueError, match="unknown config"):
-        dec.connector_config("bogus", 1, 256)
+        decode_configs.connector_config("bogus", 1, 256)
 
 
 def test_null_and_native_configs_name_their_connectors() -> None:
     from vllm_draft_offload.bench.speed import null_connector
 
-    null = dec.connector_config("null", 1.5, 128)
+    null = decode_configs.connector_config("null", 1.5, 128)
     assert null is not None and null["kv_connector"] == "NullConnector"
     # vLLM imports the class from this module path: it must be where the config says.
     module = __import__(null["kv_connector_module_path"], fromlist=["x"])
     assert getattr(module, null["kv_connector"]) is null_connector.NullConnector
-    native = dec.connector_config("native", 1.5, 128)
+    native = decode_configs.connector_config("native", 1.5, 128)
     assert native is not None and native["kv_connector"] == "OffloadingConnector"
     assert native["kv_connector_extra_config"] == {"cpu_bytes_to_use": int(1.5 * 2**30)}
 
@@ -57,11 +58,11 @@ def test_forced_store_configs_pin_the_copy_path_whatever_the_flag_says() -> None
     compares them side by side; the connector's own config parser accepts them."""
     from vllm_draft_offload.config import parse_config
 
-    store = dec.connector_config("store", 1.5, 128, copy_path="kernel")
+    store = decode_configs.connector_config("store", 1.5, 128, copy_path="kernel")
     assert store is not None
     for config, path in (("store_dma", "memcpy"), ("store_kernel", "kernel")):
         for flag in (None, "auto", "memcpy", "kernel"):
-            forced = dec.connector_config(config, 1.5, 128, copy_path=flag)
+            forced = decode_configs.connector_config(config, 1.5, 128, copy_path=flag)
             assert forced is not None
             extra = forced["kv_connector_extra_config"]
             assert extra == {**store["kv_connector_extra_config"], "copy_path": path}
@@ -80,11 +81,11 @@ def test_forced_store_configs_pin_the_copy_path_whatever_the_flag_says() -> None
 
 
 def test_prompts_are_new_to_every_batch_and_the_same_in_every_engine() -> None:
-    batches = [dec.batch_prompts(rep, 4, 300) for rep in (-1, 0, 1)]
+    batches = [decode_batches.batch_prompts(rep, 4, 300) for rep in (-1, 0, 1)]
     firsts = {tuple(p[:16]) for batch in batches for p in batch}
     assert len(firsts) == 12  # no two prompts share a first block: no prefix hits
-    assert dec.batch_prompts(0, 4, 300) == batches[1]  # none and store see the same
-    assert all(len(p) == 300 and min(p) >= dec.FIRST_TOKEN for b in batches for p in b)
+    assert decode_batches.batch_prompts(0, 4, 300) == batches[1]  # none and store see the same
+    assert all(len(p) == 300 and min(p) >= decode_batches.FIRST_TOKEN for b in batches for p in b)
 
 
 def test_whole_chunks_count_every_token_a_verified_draft_may_end_with() -> None:
@@ -252,7 +253,7 @@ def test_time_hooks_counts_the_hooks_of_both_halves_only_while_on(
     from kv_sim import SimEngine, SimSetup, prompt
 
     eng = SimEngine(*model_dirs, SimSetup())
-    clock = dec.hook_clock(eng.scheduler, eng.worker)
+    clock = decode_engine.hook_clock(eng.scheduler, eng.worker)
     eng.add_request("off", prompt(1, 40), max_tokens=3)
     eng.run_until_done()
     assert clock.take() == {"ms": {}, "calls": {}}
@@ -325,24 +326,24 @@ def test_each_engine_is_written_out_before_the_next_one_starts(
 
 
 def test_pairs_alternate_their_order_and_only_storing_engines_opt_out() -> None:
-    assert dec.batch_arms(3, paired=True) == [
+    assert decode_batches.batch_arms(3, paired=True) == [
         (0, "on"), (0, "off"), (1, "off"), (1, "on"), (2, "on"), (2, "off"),
     ]  # fmt: skip
-    assert dec.batch_arms(2, paired=False) == [(0, "on"), (1, "on")]
+    assert decode_batches.batch_arms(2, paired=False) == [(0, "on"), (1, "on")]
     opt_out = {"draft_offload": {"store": False}}
     for config in ("store", "store_dma", "store_kernel"):
-        assert dec.arm_params(config, "off") == opt_out
-        assert dec.arm_params(config, "on") is None
+        assert decode_batches.arm_params(config, "off") == opt_out
+        assert decode_batches.arm_params(config, "on") is None
     for config in ("none", "idle", "null", "native"):
-        assert dec.arm_params(config, "off") is None
+        assert decode_batches.arm_params(config, "off") is None
     # The opt-out is what the connector reads from a request's kv_transfer_params.
     from vllm_draft_offload.request_options import request_options
 
     assert request_options(opt_out) == request_options(None).model_copy(update={"store": False})
     # On batches keep the prompts every engine shares; off batches get new ones.
-    assert dec.arm_prompts(1, "on", 2, 64) == dec.batch_prompts(1, 2, 64)
-    on = {tuple(p[:16]) for r in range(3) for p in dec.arm_prompts(r, "on", 4, 64)}
-    off = {tuple(p[:16]) for r in range(3) for p in dec.arm_prompts(r, "off", 4, 64)}
+    assert decode_batches.arm_prompts(1, "on", 2, 64) == decode_batches.batch_prompts(1, 2, 64)
+    on = {tuple(p[:16]) for r in range(3) for p in decode_batches.arm_prompts(r, "on", 4, 64)}
+    off = {tuple(p[:16]) for r in range(3) for p in decode_batches.arm_prompts(r, "off", 4, 64)}
     assert len(on) == len(off) == 12 and not on & off
 
 

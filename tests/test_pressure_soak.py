@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from vllm_draft_offload.bench import PACKAGE_PARENT, cli
+from vllm_draft_offload.bench.stress import counters as sc
 from vllm_draft_offload.bench.stress import faults as sf
-from vllm_draft_offload.bench.stress import report as sr
-from vllm_draft_offload.bench.stress import soak
+from vllm_draft_offload.bench.stress import soak, soak_summary
 from vllm_draft_offload.bench.stress.load import SoakStreams, plan_pressure, pressure_requests
 
 EXAMPLE = Path(__file__).parent / "data" / "pressure_example.json"
@@ -233,8 +233,8 @@ def test_pressure_report_on_a_recorded_cpu_run(tmp_path: Path) -> None:
     ours = next(r for r in data["runs"] if r["role"] == "ours")
     counters = ours["counters"]
     chunk = data["chunk_size"]
-    cpu = counters[sr.LOADED.format("cpu")]
-    l3 = counters[sr.LOADED.format("l3")]
+    cpu = counters[sc.LOADED.format("cpu")]
+    l3 = counters[sc.LOADED.format("l3")]
     assert row["hits"]["hit_tokens"] == {"cpu": (cpu - l3) * chunk, "l3": l3 * chunk}
     assert row["hits"]["hit_tokens"]["cpu"] > 0 and row["hits"]["hit_tokens"]["l3"] > 0
     assert row["outputs_equal"] == f"{row['requests']}/{row['requests']}"
@@ -248,27 +248,27 @@ def test_pressure_report_on_a_recorded_cpu_run(tmp_path: Path) -> None:
 def test_hits_by_tier_come_from_vllms_hits_by_source() -> None:
     chunk = 256
     counters = {
-        sr.LOADED.format("cpu"): 10.0,
-        sr.LOADED.format("l3"): 14.0,  # fetched units a small CPU tier dropped before use
-        sr.BY_SOURCE.format("host"): 512.0,
-        sr.BY_SOURCE.format("disk"): 2048.0,
-        sr.BY_SOURCE.format("device"): 4096.0,  # vLLM's own GPU prefix cache
+        sc.LOADED.format("cpu"): 10.0,
+        sc.LOADED.format("l3"): 14.0,  # fetched units a small CPU tier dropped before use
+        sc.BY_SOURCE.format("host"): 512.0,
+        sc.BY_SOURCE.format("disk"): 2048.0,
+        sc.BY_SOURCE.format("device"): 4096.0,  # vLLM's own GPU prefix cache
     }
-    hits = sr.tier_tokens(counters, chunk)
+    hits = sc.tier_tokens(counters, chunk)
     assert hits["hit_tokens_method"] == "by_source"
     assert hits["hit_tokens"] == {"cpu": 512, "l3": 2048}
     assert hits["loaded_chunk_tokens"] == {"cpu": 10 * chunk, "l3": 14 * chunk}
     # A run recorded without them: derived from the loads, unknown where that breaks.
     old = {k: v for k, v in counters.items() if "by_source" not in k}
-    hits = sr.tier_tokens(old, chunk)
+    hits = sc.tier_tokens(old, chunk)
     assert hits["hit_tokens_method"] == "loaded_chunks"
     assert hits["hit_tokens"] == {"cpu": None, "l3": None}
-    old[sr.LOADED.format("cpu")] = 20.0
+    old[sc.LOADED.format("cpu")] = 20.0
     # more tokens fetched than admitted as external hits: fetched is not served
-    old[sr.EXT_HITS] = 14 * chunk - 1
-    assert sr.tier_tokens(old, chunk)["hit_tokens"] == {"cpu": None, "l3": None}
-    old[sr.EXT_HITS] = 20 * chunk
-    assert sr.tier_tokens(old, chunk)["hit_tokens"] == {"cpu": 6 * chunk, "l3": 14 * chunk}
+    old[sc.EXT_HITS] = 14 * chunk - 1
+    assert sc.tier_tokens(old, chunk)["hit_tokens"] == {"cpu": None, "l3": None}
+    old[sc.EXT_HITS] = 20 * chunk
+    assert sc.tier_tokens(old, chunk)["hit_tokens"] == {"cpu": 6 * chunk, "l3": 14 * chunk}
 
 
 def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path: Path) -> None:
@@ -328,16 +328,16 @@ def test_pressure_verdicts_fail_on_wrong_kv_no_hits_and_lost_acceptance(tmp_path
 
     nohit = copy.deepcopy(base)
     c = ours(nohit)["counters"]
-    c[sr.LOADED.format("cpu")] = c[sr.LOADED.format("l3")]
-    c[sr.EXT_HITS] = 0
-    c[sr.BY_SOURCE.format("disk")] = c[sr.LOADED.format("l3")] * base["chunk_size"]
+    c[sc.LOADED.format("cpu")] = c[sc.LOADED.format("l3")]
+    c[sc.EXT_HITS] = 0
+    c[sc.BY_SOURCE.format("disk")] = c[sc.LOADED.format("l3")] * base["chunk_size"]
     (row,) = _pressure(tmp_path / "d", nohit)["summary"]["rows"]
     assert "no CPU-tier hits" in row["failed"]
     assert any("external hits" in f for f in row["failed"])
     # Storage fetched more than the CPU tier restored: the loads cannot say which tier
     # served what, and the verdict says so instead of passing on a made-up number.
-    del c[sr.BY_SOURCE.format("disk")]
-    c[sr.LOADED.format("cpu")] = c[sr.LOADED.format("l3")] - 1
+    del c[sc.BY_SOURCE.format("disk")]
+    c[sc.LOADED.format("cpu")] = c[sc.LOADED.format("l3")] - 1
     (row,) = _pressure(tmp_path / "d2", nohit)["summary"]["rows"]
     assert row["hits"]["hit_tokens"]["cpu"] is None
     assert any("CPU-tier hits unknown" in f for f in row["failed"])
@@ -560,7 +560,7 @@ def test_soak_report_on_a_recorded_cpu_run(tmp_path: Path) -> None:
     assert set(s) == SOAK_SUMMARY_KEYS and s["verdict"] == "pass", s["failed"]
     first = data["runs"]["ours"]["samples"][0]["counters"]
     last = data["runs"]["ours"]["samples"][-1]["counters"]
-    key = sr.LOADED.format("l3")
+    key = sc.LOADED.format("l3")
     assert s["hits"]["hit_tokens"]["l3"] == (last[key] - first.get(key, 0)) * data["chunk_size"]
     assert s["faults_injected"] == {
         f: sum(e["ok"] and e["fault"] == f for e in data["faults"])
@@ -636,7 +636,7 @@ def test_soak_throughput_counts_what_finished_in_the_window() -> None:
          "first_ts": 7.0, "last_ts": 7.87},  # 29 in 0.87 s
         {"end_t": 2.5, "out_len": 99, "prompt_len": 999, "cached": 0},  # after the window
     ]  # fmt: skip
-    got = sr.throughput(reqs, 2.0)
+    got = soak_summary.throughput(reqs, 2.0)
     assert got.pop("decode_s_per_token_mean") == pytest.approx((0.1 + 0.03) / 2)
     assert got == {"requests": 2, "output_tokens_per_s": 20.0, "computed_prompt_tokens": 86}
     counters = {
@@ -644,7 +644,7 @@ def test_soak_throughput_counts_what_finished_in_the_window() -> None:
         "vllm:draft_offload_l3_thread_seconds_total{clock=wall,op=read}": 2.0,
         "vllm:draft_offload_loaded_chunks_total{tier=l3}": 7.0,
     }
-    assert sr.thread_seconds(counters) == {"read/cpu": 1.5, "read/wall": 2.0}
+    assert sc.thread_seconds(counters) == {"read/cpu": 1.5, "read/wall": 2.0}
 
 
 def test_top_margins_from_vllm_logprobs() -> None:
@@ -693,7 +693,7 @@ def test_pressure_can_make_storage_serve_what_the_cpu_tier_dropped() -> None:
 def test_state_growth_tells_a_container_at_its_bound_from_one_still_rising() -> None:
     """A cache that fills to its built-in bound and stays there (the overlap loads'
     outcomes: one per CPU-tier slot) shows when it went flat; a leak does not."""
-    from vllm_draft_offload.bench.stress.report import state_growth
+    from vllm_draft_offload.bench.stress.state_growth import state_growth
 
     samples = [
         {"t": float(t), "state": {"bounded": min(10 * t, 1184), "leak": 3 * t, "same": 5}}

@@ -43,7 +43,7 @@ def acceptance_length(counters: dict[str, float]) -> float | None:
     return 1.0 + counters.get(ACCEPTED, 0.0) / drafts if drafts > 0 else None
 
 
-# Engines whose paired off batches opt out of stores (decode_overhead.arm_params).
+# Engines whose paired off batches opt out of stores (decode_batches.arm_params).
 STORING = ("store", "store_dma", "store_kernel")
 
 
@@ -171,7 +171,7 @@ def summarize(report: dict[str, Any]) -> None:
         "null_vs_none": _ratio(rates, "null", "none"),
         "idle_vs_null": _ratio(rates, "idle", "null"),
         "native_vs_none": _ratio(rates, "native", "none"),
-        # stores forced onto DMA or onto the page kernel (decode_overhead.FORCED_COPY_PATH)
+        # stores forced onto DMA or onto the page kernel (decode_configs.FORCED_COPY_PATH)
         "store_dma_vs_none": _ratio(rates, "store_dma", "none"),
         "store_kernel_vs_none": _ratio(rates, "store_kernel", "none"),
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_draft_offload.bench.options import command_parser
-from vllm_draft_offload.bench.speed.decode_overhead import connector_config
+from vllm_draft_offload.bench.speed.decode_configs import connector_config
 from vllm_draft_offload.bench.speed.shapes import (
     BLOCK_SIZE,
     SHAPES,

@@ -27,6 +27,7 @@ from typing import Any
 from vllm_draft_offload.bench.options import add_eager_or_compile, command_parser
 from vllm_draft_offload.bench.progress import progress
 from vllm_draft_offload.bench.stress.engine import dtype_bytes, kv_bytes_per_token
+from vllm_draft_offload.bench.stress.flips import NEAR_TIE_NATS, add_near_tie_option
 from vllm_draft_offload.bench.stress.jobs import (
     EngineShape,
     build_kwargs,
@@ -36,12 +37,8 @@ from vllm_draft_offload.bench.stress.jobs import (
     worker_env,
 )
 from vllm_draft_offload.bench.stress.load import plan_pressure
-from vllm_draft_offload.bench.stress.report import (
-    NEAR_TIE_NATS,
-    add_near_tie_option,
-    pressure_markdown,
-    pressure_summary,
-)
+from vllm_draft_offload.bench.stress.pressure_summary import pressure_summary
+from vllm_draft_offload.bench.stress.report_markdown import pressure_markdown
 from vllm_draft_offload.bench.workloads.run import read_model_limits
 from vllm_draft_offload.bench.workloads.specs import parse_drafters
 

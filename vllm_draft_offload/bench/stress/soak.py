@@ -48,6 +48,7 @@ from vllm_draft_offload.bench.stress.faults import (
     schedule,
     small_tmpfs,
 )
+from vllm_draft_offload.bench.stress.flips import NEAR_TIE_NATS, add_near_tie_option
 from vllm_draft_offload.bench.stress.jobs import (
     EngineShape,
     build_kwargs,
@@ -58,13 +59,9 @@ from vllm_draft_offload.bench.stress.jobs import (
 )
 from vllm_draft_offload.bench.stress.load import SoakLoad
 from vllm_draft_offload.bench.stress.phases import DEFAULT_MARGIN_S, TRANSFERS, active_schedule
-from vllm_draft_offload.bench.stress.report import (
-    NEAR_TIE_NATS,
-    add_near_tie_option,
-    soak_markdown,
-    soak_plot,
-    soak_summary,
-)
+from vllm_draft_offload.bench.stress.report_markdown import soak_markdown
+from vllm_draft_offload.bench.stress.soak_plot import soak_plot
+from vllm_draft_offload.bench.stress.soak_summary import soak_summary
 from vllm_draft_offload.bench.workloads.run import read_model_limits
 from vllm_draft_offload.bench.workloads.specs import parse_drafters
 

@@ -1,0 +1,51 @@
+"""decode-overhead's configurations: each engine's ``kv_transfer_config`` by name
+(what each one measures: the list in decode_overhead.py's docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_draft_offload.bench.kv_configs import native_offloading_config
+
+CONFIGS = ("none", "idle", "store", "null", "native", "store_dma", "store_kernel")
+# `store` with its copies forced onto one path (copy_path memcpy or kernel), so one run
+# shows side by side what each path's stores cost decode (session 15, H100, 8B shape:
+# `store` under copy_path auto, which sends copies up to 256 KiB to the page kernel,
+# decoded at 0.89 x none where native's DMA stores cost nothing measurable).
+FORCED_COPY_PATH = {"store_dma": "memcpy", "store_kernel": "kernel"}
+
+
+def connector_config(
+    config: str,
+    cpu_gib: float,
+    chunk: int,
+    max_request_tokens: int = 0,
+    copy_path: str | None = None,
+) -> dict[str, Any] | None:
+    """The engine's ``kv_transfer_config``; ``idle`` stores no request of up to
+    ``max_request_tokens`` tokens; ``copy_path`` None leaves the connector's default."""
+    if config == "none":
+        return None
+    if config not in CONFIGS:
+        raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+    if config == "null":
+        from vllm_draft_offload.bench.speed import null_connector
+
+        return null_connector.transfer_config()
+    if config == "native":
+        return native_offloading_config(int(cpu_gib * 2**30))
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": int(cpu_gib * 2**30),
+        "chunk_size": chunk,
+        "store_decode": True,
+    }
+    if config == "idle":
+        extra["min_store_tokens"] = max_request_tokens + 1
+    copy_path = FORCED_COPY_PATH.get(config, copy_path)
+    if copy_path is not None:
+        extra["copy_path"] = copy_path
+    return {
+        "kv_connector": "DraftOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
