@@ -242,8 +242,9 @@ def windows_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     other fixtures are built as without it)."""
     from dataclasses import replace
 
-    from vllm_draft_offload.bench.fixtures.build import _Builder, parse_args, resolve_preset
+    from vllm_draft_offload.bench.fixtures.build import parse_args, resolve_preset
     from vllm_draft_offload.bench.fixtures.hybrid import SlidingWindowLayout
+    from vllm_draft_offload.bench.fixtures.llama_build import LlamaFamilyBuilder
 
     argv = ["--out", "x", "--sliding-window", str(WINDOW), "--full-every", "3"]
     args = parse_args(argv)
@@ -251,7 +252,7 @@ def windows_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     preset = resolve_preset("tiny", MAX_STEPS)
     preset = replace(preset, target=windows.target_shape(preset.target))
     out = tmp_path_factory.mktemp("fixtures-swa")
-    builder = _Builder(out, 0, preset, lambda _: None, windows)
+    builder = LlamaFamilyBuilder(out, 0, preset, lambda _: None, windows)
     builder.target()
     builder.self_draft()
     return out

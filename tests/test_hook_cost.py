@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_draft_offload.bench.speed import hook_cost as hc
+from vllm_draft_offload.bench.speed import hook_report
 
 
 def test_a_tiny_batch_decodes_with_spec_tokens_and_only_store_stores(tmp_path: Path) -> None:
@@ -46,8 +47,8 @@ def test_engine_time_of_a_step_leaves_out_the_memmove() -> None:
         "worker.get_transfer_results": 10e-6,
         "copy_exec": 300e-6,
     }
-    assert hc.engine_us(step) == pytest.approx(100 + 50 + 400 + 10 - 300)
-    assert hc.hooks_us(step) == pytest.approx(30 + 400 + 10 - 300)
+    assert hook_report.engine_us(step) == pytest.approx(100 + 50 + 400 + 10 - 300)
+    assert hook_report.hooks_us(step) == pytest.approx(30 + 400 + 10 - 300)
 
     def run(decode: float, hooks: float, every: float) -> dict[str, float]:
         return {
@@ -60,7 +61,7 @@ def test_engine_time_of_a_step_leaves_out_the_memmove() -> None:
         "idle": [run(6.0, 0.3, 9.0), run(5.5, 0.4, 9.5)],
         "store": [run(9.0, 2.0, 20.0)],
     }
-    summary = hc.compare(configs)
+    summary = hook_report.compare(configs)
     assert summary["hooks_ms_over_decode"] == {"idle": 0.3, "store": 2.0}
     assert summary["added_ms_over_decode"] == {"idle": 0.5, "store": 4.0}  # fastest batch
     assert summary["added_us_per_decode_step"] == {"idle": 50.0, "store": 400.0}

@@ -198,7 +198,7 @@ class HookClock:
     while ``on``: wall time, so a hook that waits for the GPU shows."""
 
     def __init__(self) -> None:
-        from vllm_draft_offload.bench.speed.hook_cost import Clock
+        from vllm_draft_offload.bench.speed.hook_timing import Clock
 
         self.clock = Clock(time.perf_counter)
         self.on = False
