@@ -32,3 +32,6 @@ fi
 # runtime deps are already satisfied above
 $PIP install -q --no-deps -e .
 $PIP install -q pydantic pytest ruff matplotlib redis prometheus_client hypothesis tqdm xxhash promql-parser
+# The Mooncake store's tests (tests/test_mooncake_store.py) run over TCP against the
+# wheel's own mooncake_master: the `mooncake` extra.
+$PIP install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
