@@ -21,6 +21,7 @@ from vllm_draft_offload.bench.speed.decode_batches import (
 )
 from vllm_draft_offload.bench.speed.decode_configs import connector_config
 from vllm_draft_offload.bench.speed.decode_report import acceptance_length, decode_rate
+from vllm_draft_offload.bench.speed.shapes import draft_model_config
 
 STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
 LOADED_BYTES = "vllm:draft_offload_loaded_bytes_total"
@@ -60,13 +61,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_mem,
         enforce_eager=args.enforce_eager or args.dry_run_cpu,
         enable_prefix_caching=True,
-        speculative_config={
-            "method": "draft_model",
-            "model": args.draft,
-            "num_speculative_tokens": 3,
-        }
-        if args.draft
-        else None,
+        speculative_config=draft_model_config(args.draft),
         kv_transfer_config=connector_config(
             args.config, args.cpu_gib, args.chunk_size, max_len + 64, args.copy_path
         ),

@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm_draft_offload.bench.kv_configs import native_offloading_config
 from vllm_draft_offload.bench.speed.l3_dir import unit_files, wait_for_l3_files, write_throughput
-from vllm_draft_offload.bench.speed.shapes import VOCAB
+from vllm_draft_offload.bench.speed.shapes import VOCAB, draft_model_config
 from vllm_draft_offload.metric_defs import L3_THREAD_CLOCKS, L3_THREAD_OPS
 
 STORED_BYTES = "vllm:draft_offload_stored_bytes_total"
@@ -175,13 +175,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_mem,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.config != "recompute",
-        speculative_config={
-            "method": "draft_model",
-            "model": args.draft,
-            "num_speculative_tokens": 3,
-        }
-        if args.draft
-        else None,
+        speculative_config=draft_model_config(args.draft),
         kv_transfer_config=connector_config(args),
         disable_log_stats=False,
     )

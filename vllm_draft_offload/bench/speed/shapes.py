@@ -90,6 +90,14 @@ def has_windows(shape: Shape) -> bool:
     return SLIDING in shape.get("layer_types", ())
 
 
+def draft_model_config(draft: str | None) -> dict[str, Any] | None:
+    """The speed benchmarks' speculative config: the DRAFT_SHAPE model at `draft` as a
+    `draft_model` drafter proposing 3 tokens (None: no drafter)."""
+    if not draft:
+        return None
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+
+
 BLOCK_SIZE = 16  # vLLM's default on CUDA: a page holds K and V of 16 tokens
 
 VOCAB = 128256
