@@ -124,10 +124,10 @@
 #   decode-8b-b64  decode-overhead at the 8B shape, none and store, 64 requests a batch
 #             (GPU-bound decode: less host jitter per pair), 16 pairs an engine (about 9
 #             min, estimated): /root/decode_8b_b64.json
-#   decode-8b-b64-paths  decode-8b-b64 for stores forced onto DMA (copy engines, no SMs)
-#             and the default path (decode chunks on the pair kernel), 16 pairs each:
-#             whether the 6 % the default stores cost at 64 requests is the kernel's SMs
-#             or the copy engine (about 9 min, estimated): /root/decode_8b_b64_paths.json
+#   decode-8b-b64-paths  decode-8b-b64 for stores forced onto the kernel (SMs) and the
+#             default path (since session 28 DMA at this shape; session 28 ran it as
+#             store_dma,store when the default put decode chunks on the kernel: 1.000 and
+#             0.939), 16 pairs each (H200: 9.5 min): /root/decode_8b_b64_paths.json
 #   decode-8b-b64-diag  decode-overhead at the 8B shape, 64 requests a batch, one engine each
 #             of none, null (vLLM's connector plumbing), idle (ours, storing nothing) and
 #             store, 3 pairs each: whether the store engine's 0.84 x none with its stores
@@ -363,7 +363,7 @@ declare -A CMD=(
   [decode-8b-b64]="vllm-draft-offload decode-overhead --shape llama8b --configs none,store \
       --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 --out /root/decode_8b_b64.json"
   [decode-8b-b64-paths]="vllm-draft-offload decode-overhead --shape llama8b \
-      --configs store_dma,store --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --configs store_kernel,store --reps 16 --batch 64 --turn-prompts 0 --engine-timeout 600 \
       --out /root/decode_8b_b64_paths.json"
   [decode-8b-b64-diag]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs none,null,idle,store --reps 3 --batch 64 --turn-prompts 0 --engine-timeout 600 \
