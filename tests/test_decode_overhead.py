@@ -256,7 +256,7 @@ def test_time_hooks_counts_the_hooks_of_both_halves_only_while_on(
     clock = decode_engine.hook_clock(eng.scheduler, eng.worker)
     eng.add_request("off", prompt(1, 40), max_tokens=3)
     eng.run_until_done()
-    assert clock.take() == {"ms": {}, "calls": {}}
+    assert clock.take() == {"ms": {}, "calls": {}, "max_ms": {}}
     clock.on = True
     eng.add_request("on", prompt(2, 70), max_tokens=4)
     eng.run_until_done()
@@ -271,7 +271,11 @@ def test_time_hooks_counts_the_hooks_of_both_halves_only_while_on(
     assert calls.get("sched.request_finished", 0) + calls["sched.request_finished_all_groups"] == 1
     assert all(ms >= 0 for ms in taken["ms"].values())
     assert taken["ms"]["worker.wait_for_save"] > 0  # it stored the prompt's chunks
-    assert clock.take() == {"ms": {}, "calls": {}}
+    assert taken["max_ms"].keys() == taken["ms"].keys()
+    for name, longest in taken["max_ms"].items():
+        # One call's time: within the sum, and at least the mean of the calls.
+        assert taken["ms"][name] / calls[name] - 1e-3 <= longest <= taken["ms"][name], name
+    assert clock.take() == {"ms": {}, "calls": {}, "max_ms": {}}
 
 
 def test_each_engine_is_written_out_before_the_next_one_starts(

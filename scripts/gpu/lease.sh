@@ -143,6 +143,12 @@
 #             as gc_pauses) and each batch's busiest engine threads: whether the slow
 #             batches' extra engine CPU is the collector's (about 9 min, estimated):
 #             /root/decode_8b_b64_gc.json
+#   decode-8b-b64-hooks  decode-overhead at the 8B shape, none and store (the default,
+#             since session 28 DMA for this shape's stores), 64 requests a batch, 12 pairs
+#             an engine, the hooks timed with each hook's longest call: the default under
+#             its own name, and whether DMA stores' wait_for_save stalls (355-376 ms in
+#             sessions 19-23 at 16 requests) are one call (about 9 min, estimated):
+#             /root/decode_8b_b64_hooks.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -377,6 +383,9 @@ declare -A CMD=(
   [decode-8b-b64-gc]="VLLM_GC_DEBUG=1 vllm-draft-offload decode-overhead --shape llama8b \
       --configs none,null,idle --reps 3 --batch 64 --turn-prompts 0 --engine-timeout 600 \
       --out /root/decode_8b_b64_gc.json"
+  [decode-8b-b64-hooks]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs none,store --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
+      --engine-timeout 600 --out /root/decode_8b_b64_hooks.json"
   [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \
       --out /root/restore_speed_l3_reads12.json; rm -rf /root/l3r3"

@@ -199,12 +199,15 @@ class HookClock:
         self.on = False
 
     def take(self) -> dict[str, Any]:
-        """Milliseconds and calls per hook since the last take."""
-        step, calls = self.clock.step, self.clock.calls
+        """Milliseconds, calls and the longest call's milliseconds per hook since the
+        last take."""
+        step, calls, longest = self.clock.step, self.clock.calls, self.clock.longest
         self.clock.step, self.clock.calls = type(step)(float), type(calls)(int)
+        self.clock.longest = type(longest)(float)
         return {
             "ms": {name: round(1e3 * seconds, 3) for name, seconds in sorted(step.items())},
             "calls": dict(sorted(calls.items())),
+            "max_ms": {name: round(1e3 * s, 3) for name, s in sorted(longest.items())},
         }
 
 

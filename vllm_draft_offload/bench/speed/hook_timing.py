@@ -43,6 +43,9 @@ class Clock:
         self.timer = timer
         self.step: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        # The longest single call per name: a stall of one call reads apart from many
+        # slightly slower ones with the same sum.
+        self.longest: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
 
     def wrap(self, name: str, func: Callable[..., Any]) -> Callable[..., Any]:
@@ -53,8 +56,10 @@ class Clock:
             try:
                 return func(*args, **kwargs)
             finally:
-                self.step[name] += timer() - start
+                elapsed = timer() - start
+                self.step[name] += elapsed
                 self.calls[name] += 1
+                self.longest[name] = max(self.longest[name], elapsed)
 
         return timed
 
