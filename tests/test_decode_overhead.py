@@ -166,7 +166,8 @@ def test_summary_compares_medians_over_rounds_and_counts_stored_chunks() -> None
     assert row == {
         "shape": "small", "decode_tok_s_none": 1000.0, "decode_tok_s_store": 980.0,
         "store_vs_none": 0.98, "idle_vs_none": 0.995, "store_on_vs_off_paired": None,
-        "none_on_vs_off_paired": None, "store_off_vs_none": None, "stored_fraction": 95.0 / 96.0,
+        "none_on_vs_off_paired": None, "paired_by_config": {}, "store_off_vs_none": None,
+        "stored_fraction": 95.0 / 96.0,
         "turn2_decode_kv_reused": True, "turn2_outputs_match": True,
         "turn2_acceptance_ratio": 0.95,
     }  # fmt: skip
@@ -383,10 +384,15 @@ def test_paired_ratios_divide_out_each_engines_speed() -> None:
     row = rep.table_row("llama8b", report)
     assert row["store_on_vs_off_paired"] == pytest.approx(0.98)
     assert row["none_on_vs_off_paired"] == none["on_vs_off"]
+    assert row["paired_by_config"] == {
+        name: {"on_vs_off": p["on_vs_off"], "ci95": p["ci95"], "pairs": p["pairs"]}
+        for name, p in (("none", none), ("store", store))
+    }
     # A report from before pairs (no arms) has no paired figures.
     old = _report(none=[{"reps": [_rep(1000.0)]}], store=[{"reps": [_rep(990.0)]}])
     rep.summarize(old)
     assert old["summary"]["paired"] == {"none": None, "store": None}
+    assert rep.table_row("llama8b", old)["paired_by_config"] == {}
     assert old["summary"]["store_vs_none"] == 0.99
 
 
