@@ -222,21 +222,22 @@ def summarize_turns(turns: dict[str, Any], chunk: int) -> dict[str, Any]:
 def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
     summary = report.get("summary", {})
     turns = summary.get("turns", {})
+    # Every config's pairs (store_dma, store_kernel, null, idle too), so a run of
+    # several storing configs reads from the table without pooling its file.
+    paired = {
+        config: {key: pairs[key] for key in ("on_vs_off", "ci95", "pairs")}
+        for config, pairs in sorted(summary.get("paired", {}).items())
+        if pairs
+    }
     return {
         "shape": name,
         "decode_tok_s_none": summary.get("decode_tok_s", {}).get("none"),
         "decode_tok_s_store": summary.get("decode_tok_s", {}).get("store"),
         "store_vs_none": summary.get("store_vs_none"),
         "idle_vs_none": summary.get("idle_vs_none"),
-        "store_on_vs_off_paired": (summary.get("paired", {}).get("store") or {}).get("on_vs_off"),
-        "none_on_vs_off_paired": (summary.get("paired", {}).get("none") or {}).get("on_vs_off"),
-        # Every config's pairs (store_dma, store_kernel, null, idle too), so a run of
-        # several storing configs reads from the table without pooling its file.
-        "paired_by_config": {
-            config: {key: paired[key] for key in ("on_vs_off", "ci95", "pairs")}
-            for config, paired in sorted(summary.get("paired", {}).items())
-            if paired
-        },
+        "store_on_vs_off_paired": paired.get("store", {}).get("on_vs_off"),
+        "none_on_vs_off_paired": paired.get("none", {}).get("on_vs_off"),
+        "paired_by_config": paired,
         "store_off_vs_none": summary.get("store_off_vs_none"),
         "stored_fraction": summary.get("stored_fraction"),
         "turn2_decode_kv_reused": turns.get("decode_kv_reused"),
