@@ -199,6 +199,45 @@ def test_layer_digests_are_python_xxhash_and_the_bytes_land_exact(
     assert dest[: len(data)] == data and dest[len(data)] == 0xAA
     # The same whole digest as the single-digest copy.
     assert got[0] == fast_io.copy_hash_into(data, memoryview(bytearray(len(data))), piece)
+    # A spread fetch's read of the same layers from the file: the same layer digests.
+    fd, _ = data_file
+    read = bytearray(b"\xaa" * (len(data) + 1))
+    layers = fast_io.pread_hash_layers_into(
+        fd, OFFSET, memoryview(read)[: len(data)], sizes, piece, LATER
+    )
+    assert layers == got[1]
+    assert read[: len(data)] == data and read[len(data)] == 0xAA
+
+
+def test_a_layered_read_fails_as_the_whole_read_does(
+    reader: str, data_file: tuple[int, bytes]
+) -> None:
+    """A file that ends early, a passed deadline and impossible arguments: the errors of
+    ``pread_hash_into``, and layer sizes checked as the layered copy checks them."""
+    fd, data = data_file
+    have = len(data) - 100
+    dest = bytearray(len(data))
+    with pytest.raises(fast_io.EndOfFile) as ended:
+        fast_io.pread_hash_layers_into(fd, OFFSET + 100, memoryview(dest), [len(data)], 4096, LATER)
+    assert ended.value.args[0] == have
+    assert dest[:have] == data[100:]
+    untouched = bytearray(b"\xaa" * 10_000)
+    with pytest.raises(fast_io.DeadlinePassed) as late:
+        fast_io.pread_hash_layers_into(
+            fd, OFFSET, memoryview(untouched), [10_000], 4096, time.monotonic() - 0.001
+        )
+    assert late.value.args[0] == 0 and untouched == b"\xaa" * 10_000
+    ten = memoryview(bytearray(10))
+    with pytest.raises(ValueError, match="piece_bytes must be > 0"):
+        fast_io.pread_hash_layers_into(fd, 0, ten, [10], 0, LATER)
+    with pytest.raises(ValueError, match="file_offset >= 0"):
+        fast_io.pread_hash_layers_into(fd, -1, ten, [10], 64, LATER)
+    with pytest.raises(ValueError, match="layer_sizes add up to 9 bytes, dest has 10"):
+        fast_io.pread_hash_layers_into(fd, 0, ten, [4, 5], 64, LATER)
+    with pytest.raises(ValueError, match=r"layer_sizes\[1\] is negative"):
+        fast_io.pread_hash_layers_into(fd, 0, ten, [4, -1, 7], 64, LATER)
+    with pytest.raises(OSError):
+        fast_io.pread_hash_layers_into(-1, 0, ten, [10], 64, LATER)
 
 
 def test_layer_copy_takes_any_buffers_of_bytes(reader: str, data_file: tuple[int, bytes]) -> None:
@@ -423,6 +462,9 @@ def test_every_native_call_gives_up_the_gil_once(
         "copy_hash_into": lambda: fast_io.copy_hash_into(data, memoryview(dest), piece),
         "copy_hash_layers_into": lambda: fast_io.copy_hash_layers_into(
             data, memoryview(dest), [len(data) // 4] * 4, piece
+        ),
+        "pread_hash_layers_into": lambda: fast_io.pread_hash_layers_into(
+            fd, 0, memoryview(dest), [len(data) // 4] * 4, piece, LATER
         ),
     }
     try:

@@ -324,22 +324,24 @@ def test_spread_runs_are_whole_layers_that_tile_the_payload() -> None:
 def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     stores: dict[str, L3Store], pool: RunPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The runs really run on the pool's threads, one read call per layer; a run that
-    finds damage stops the others, and none reads on after the fetch returned."""
+    """The runs really run on the pool's threads, one read call per run of layers; a run
+    that finds damage stops the others, and none reads on after the fetch returned."""
     store = stores["fs"]
     rng = random.Random(9)
     blob, payload, expected = _big_unit(rng)
     span = len(blob) - len(payload)
     reads: list[str] = []
-    real = ObjectFile.readinto_hashed
+    real = ObjectFile.readinto_layers_hashed
 
-    def recording(file: ObjectFile, pos: int, buf: memoryview, piece: int) -> bytes:
+    def recording(
+        file: ObjectFile, pos: int, buf: memoryview, sizes: list[int], piece: int
+    ) -> list[bytes]:
         reads.append(threading.current_thread().name)
         if pos != span:
-            time.sleep(0.05)  # every layer but the first: slow enough that the runs overlap
-        return real(file, pos, buf, piece)
+            time.sleep(0.05)  # every run but the first: slow enough that the runs overlap
+        return real(file, pos, buf, sizes, piece)
 
-    monkeypatch.setattr(ObjectFile, "readinto_hashed", recording)
+    monkeypatch.setattr(ObjectFile, "readinto_layers_hashed", recording)
     name = _name(rng)
     store.put(name, blob)
     dest = bytearray(len(payload))
@@ -348,7 +350,7 @@ def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     # every byte read on the pool's threads, by more than one (the caller only waits)
     assert all(r.startswith("spread-test") for r in reads), reads
     assert len(set(reads)) > 1, reads
-    assert len(reads) == 5  # one call per layer
+    assert len(reads) == 4  # one call per run: [t0], [t1], [t2], [d0, d1]
 
     bad = bytearray(blob)
     bad[span + 5] ^= 0x01  # in t0, the first run: found while the others sleep
@@ -360,5 +362,5 @@ def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     after = len(reads)
     time.sleep(0.2)
     assert len(reads) == after  # nothing read into dest after the call returned
-    # 4 runs of 5 layers on 3 threads: the last run (d0, d1) never started its layers
-    assert after < 5, reads
+    # 4 runs on 3 threads: the last run (d0, d1) never started its read
+    assert after < 4, reads

@@ -1,7 +1,8 @@
 /*
  * Read (or copy) a stored unit's bytes into a caller's buffer and hash them with XXH3-128,
  * piece by piece, without the GIL: the native loops behind vllm_draft_offload.fast_io, for
- * fetches (pread_hash_into, copy_hash_into) and for writes (copy_hash_layers_into: a unit's
+ * fetches (pread_hash_into, copy_hash_into; pread_hash_layers_into: a spread fetch's run of
+ * layers, hashed per layer) and for writes (copy_hash_layers_into: a unit's
  * payload copied into the storage's buffer, hashed whole and per layer on the way).
  *
  * Why native: the Python loop (fast_io's fallback) gives up the GIL and takes it back for
@@ -91,6 +92,66 @@ static PyObject *raise_outcome(enum outcome outcome, Py_ssize_t done, int err) {
     return NULL;
 }
 
+/* Hash out[done, end) into each layer it overlaps (layer i ends at ends[i], the last at
+   the destination's end); *layer: the first layer not yet wholly hashed. Empty layers are
+   passed over (their digest is the empty input's); the last layer ends at the end, so one
+   ends past `at`. */
+static void hash_layer_parts(const char *out, Py_ssize_t done, Py_ssize_t end,
+                             XXH3_state_t *layers, const Py_ssize_t *ends, Py_ssize_t *layer) {
+    for (Py_ssize_t at = done, stop; at < end; at = stop) {
+        while (ends[*layer] <= at)
+            (*layer)++;
+        stop = ends[*layer] < end ? ends[*layer] : end;
+        XXH3_128bits_update(&layers[*layer], out + at, (size_t)(stop - at));
+    }
+}
+
+/* The read loop of both reads, to run without the GIL: fill out[0, nbytes) with fd's
+   bytes from file_offset, piece_bytes at a time, each piece hashed right after it landed
+   into `whole` (unless NULL) and, where `layers` is not NULL, into each layer it overlaps.
+   *done: the bytes filled; *err: errno of a FAILED read. */
+static enum outcome pread_hash_pieces(int fd, long long file_offset, char *out,
+                                      Py_ssize_t nbytes, Py_ssize_t piece_bytes,
+                                      double deadline, XXH3_state_t *whole,
+                                      XXH3_state_t *layers, const Py_ssize_t *ends,
+                                      Py_ssize_t *done_out, int *err) {
+    Py_ssize_t done = 0, layer = 0;
+    enum outcome outcome = DONE;
+    while (done < nbytes) {
+        if (monotonic_now() > deadline) {
+            outcome = LATE;
+            break;
+        }
+        Py_ssize_t piece = nbytes - done < piece_bytes ? nbytes - done : piece_bytes;
+        Py_ssize_t got = 0;
+        while (got < piece) {
+            ssize_t n = pread(fd, out + done + got, (size_t)(piece - got),
+                              (off_t)(file_offset + done + got));
+            if (n > 0) {
+                got += n;
+            } else if (n == 0) {
+                outcome = ENDED;
+                break;
+            } else if (errno != EINTR) {
+                outcome = FAILED;
+                *err = errno;
+                break;
+            }
+        }
+        if (outcome != DONE) {
+            done += got;
+            break;
+        }
+        if (whole != NULL)
+            XXH3_128bits_update(whole, out + done, (size_t)piece);
+        if (layers != NULL)
+            hash_layer_parts(out, done, done + piece, layers, ends, &layer);
+        done += piece;
+    }
+    *done_out = done;
+    return outcome;
+}
+
 PyDoc_STRVAR(pread_hash_into_doc,
 "pread_hash_into(fd, file_offset, dest, piece_bytes, deadline) -> bytes\n\n"
 "Fill dest with fd's bytes from file_offset, piece_bytes at a time, hashing each piece\n"
@@ -114,39 +175,12 @@ static PyObject *pread_hash_into(PyObject *self, PyObject *args) {
     }
     XXH3_state_t state;
     XXH3_128bits_reset(&state);
-    char *out = dest.buf;
-    Py_ssize_t nbytes = dest.len, done = 0;
-    enum outcome outcome = DONE;
+    Py_ssize_t done = 0;
+    enum outcome outcome;
     int err = 0;
     BEGIN_WITHOUT_GIL
-    while (done < nbytes) {
-        if (monotonic_now() > deadline) {
-            outcome = LATE;
-            break;
-        }
-        Py_ssize_t piece = nbytes - done < piece_bytes ? nbytes - done : piece_bytes;
-        Py_ssize_t got = 0;
-        while (got < piece) {
-            ssize_t n = pread(fd, out + done + got, (size_t)(piece - got),
-                              (off_t)(file_offset + done + got));
-            if (n > 0) {
-                got += n;
-            } else if (n == 0) {
-                outcome = ENDED;
-                break;
-            } else if (errno != EINTR) {
-                outcome = FAILED;
-                err = errno;
-                break;
-            }
-        }
-        if (outcome != DONE) {
-            done += got;
-            break;
-        }
-        XXH3_128bits_update(&state, out + done, (size_t)piece);
-        done += piece;
-    }
+    outcome = pread_hash_pieces(fd, file_offset, dest.buf, dest.len, piece_bytes, deadline,
+                                &state, NULL, NULL, &done, &err);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dest);
     if (outcome != DONE)
@@ -186,17 +220,8 @@ static void copy_hash_pieces(const char *in, char *out, Py_ssize_t nbytes,
         end = nbytes - done < piece_bytes ? nbytes : done + piece_bytes;
         memcpy(out + done, in + done, (size_t)(end - done));
         XXH3_128bits_update(whole, out + done, (size_t)(end - done));
-        if (layers == NULL)
-            continue;
-        /* Each layer the piece overlaps takes its part. Empty layers are passed over
-           (their digest is the empty input's); the last layer ends at nbytes, so one
-           ends past `at`. */
-        for (Py_ssize_t at = done, stop; at < end; at = stop) {
-            while (ends[layer] <= at)
-                layer++;
-            stop = ends[layer] < end ? ends[layer] : end;
-            XXH3_128bits_update(&layers[layer], out + at, (size_t)(stop - at));
-        }
+        if (layers != NULL)
+            hash_layer_parts(out, done, end, layers, ends, &layer);
     }
 }
 
@@ -277,9 +302,8 @@ fail:
     return -1;
 }
 
-/* The result of copy_hash_layers_into: (whole digest, [layer digests]). */
-static PyObject *layer_digests_result(XXH3_state_t *whole, XXH3_state_t *layers,
-                                      Py_ssize_t count) {
+/* The digests of `count` layers' states, as a list of bytes. */
+static PyObject *layer_digest_list(XXH3_state_t *layers, Py_ssize_t count) {
     PyObject *digests = PyList_New(count);
     if (digests == NULL)
         return NULL;
@@ -291,6 +315,15 @@ static PyObject *layer_digests_result(XXH3_state_t *whole, XXH3_state_t *layers,
         }
         PyList_SET_ITEM(digests, i, digest);
     }
+    return digests;
+}
+
+/* The result of copy_hash_layers_into: (whole digest, [layer digests]). */
+static PyObject *layer_digests_result(XXH3_state_t *whole, XXH3_state_t *layers,
+                                      Py_ssize_t count) {
+    PyObject *digests = layer_digest_list(layers, count);
+    if (digests == NULL)
+        return NULL;
     PyObject *whole_digest = canonical_digest(whole);
     if (whole_digest == NULL) {
         Py_DECREF(digests);
@@ -300,6 +333,27 @@ static PyObject *layer_digests_result(XXH3_state_t *whole, XXH3_state_t *layers,
     Py_DECREF(whole_digest);
     Py_DECREF(digests);
     return result;
+}
+
+/* Reset hash states for `count` layers, in *layers (NULL for none; free() it), and the
+   ends of the layers of layer_sizes in a destination of nbytes, in *ends (PyMem_Free it).
+   -1 with an exception set on bad sizes or no memory. */
+static int layer_states(PyObject *layer_sizes, Py_ssize_t nbytes, XXH3_state_t **layers,
+                        Py_ssize_t **ends, Py_ssize_t *count) {
+    *layers = NULL;
+    if (layer_ends_of(layer_sizes, nbytes, ends, count) < 0)
+        return -1; /* its ValueError (or TypeError) is set */
+    if (*count == 0)
+        return 0;
+    /* XXH3_state_t must be 64-byte aligned (its size is a multiple of 64) */
+    if (posix_memalign((void **)layers, 64, (size_t)*count * sizeof(**layers)) != 0) {
+        *layers = NULL;
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < *count; i++)
+        XXH3_128bits_reset(&(*layers)[i]);
+    return 0;
 }
 
 static PyObject *copy_hash_layers_into(PyObject *self, PyObject *args) {
@@ -314,17 +368,8 @@ static PyObject *copy_hash_layers_into(PyObject *self, PyObject *args) {
     XXH3_state_t whole, *layers = NULL;
     if (copy_args_error(&src, &dest, piece_bytes)) {
         /* its ValueError is set */
-    } else if (layer_ends_of(layer_sizes, dest.len, &ends, &count) < 0) {
-        /* its ValueError (or TypeError) is set */
-    } else if (count > 0 &&
-               /* XXH3_state_t must be 64-byte aligned (its size is a multiple of 64) */
-               posix_memalign((void **)&layers, 64, (size_t)count * sizeof(*layers)) != 0) {
-        layers = NULL;
-        PyErr_NoMemory();
-    } else {
+    } else if (layer_states(layer_sizes, dest.len, &layers, &ends, &count) == 0) {
         XXH3_128bits_reset(&whole);
-        for (Py_ssize_t i = 0; i < count; i++)
-            XXH3_128bits_reset(&layers[i]);
         BEGIN_WITHOUT_GIL
         copy_hash_pieces(src.buf, dest.buf, dest.len, piece_bytes, &whole, layers, ends);
         Py_END_ALLOW_THREADS
@@ -333,6 +378,48 @@ static PyObject *copy_hash_layers_into(PyObject *self, PyObject *args) {
     free(layers);
     PyMem_Free(ends);
     PyBuffer_Release(&src);
+    PyBuffer_Release(&dest);
+    return result;
+}
+
+PyDoc_STRVAR(pread_hash_layers_into_doc,
+"pread_hash_layers_into(fd, file_offset, dest, layer_sizes, piece_bytes, deadline)\n"
+"    -> list[bytes]\n\n"
+"Fill dest with fd's bytes from file_offset, piece_bytes at a time, hashing each piece\n"
+"right after it landed into each layer it overlaps (layers: back-to-back byte ranges of\n"
+"layer_sizes bytes, in order, covering dest); returns the 16-byte XXH3-128 digest of\n"
+"each layer. Raises as pread_hash_into. The GIL is released for the whole read.");
+
+static PyObject *pread_hash_layers_into(PyObject *self, PyObject *args) {
+    int fd;
+    long long file_offset;
+    Py_buffer dest;
+    PyObject *layer_sizes;
+    Py_ssize_t piece_bytes;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "iLw*Ond:pread_hash_layers_into", &fd, &file_offset, &dest,
+                          &layer_sizes, &piece_bytes, &deadline))
+        return NULL;
+    if (piece_bytes <= 0 || file_offset < 0) {
+        PyBuffer_Release(&dest);
+        PyErr_SetString(PyExc_ValueError, "piece_bytes must be > 0 and file_offset >= 0");
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t *ends = NULL, count = 0, done = 0;
+    XXH3_state_t *layers = NULL;
+    if (layer_states(layer_sizes, dest.len, &layers, &ends, &count) == 0) {
+        enum outcome outcome;
+        int err = 0;
+        BEGIN_WITHOUT_GIL
+        outcome = pread_hash_pieces(fd, file_offset, dest.buf, dest.len, piece_bytes,
+                                    deadline, NULL, layers, ends, &done, &err);
+        Py_END_ALLOW_THREADS
+        result = outcome == DONE ? layer_digest_list(layers, count)
+                                 : raise_outcome(outcome, done, err);
+    }
+    free(layers);
+    PyMem_Free(ends);
     PyBuffer_Release(&dest);
     return result;
 }
@@ -496,6 +583,8 @@ static PyMethodDef methods[] = {
     {"pread_hash_into", pread_hash_into, METH_VARARGS, pread_hash_into_doc},
     {"copy_hash_into", copy_hash_into, METH_VARARGS, copy_hash_into_doc},
     {"copy_hash_layers_into", copy_hash_layers_into, METH_VARARGS, copy_hash_layers_into_doc},
+    {"pread_hash_layers_into", pread_hash_layers_into, METH_VARARGS,
+     pread_hash_layers_into_doc},
     {"files_exist", files_exist, METH_VARARGS, files_exist_doc},
     {"files_resident", files_resident, METH_VARARGS, files_resident_doc},
     {"gil_releases", gil_releases, METH_NOARGS, gil_releases_doc},

@@ -63,6 +63,7 @@ from vllm_draft_offload.unit_codec import Buffer, payload_hasher
 # rather than failing every call to a missing function.
 _FUNCTIONS: Final = (
     "pread_hash_into",
+    "pread_hash_layers_into",
     "copy_hash_into",
     "copy_hash_layers_into",
     "files_exist",
@@ -186,20 +187,66 @@ def copy_hash_layers_into(
     source, out = _copy_arrays(src, dest, piece_bytes)
     ends = _layer_ends(layer_sizes, out.nbytes)
     whole = payload_hasher()
-    layers = [payload_hasher() for _ in ends]
-    layer = 0  # the first layer not yet wholly hashed
+    layers = _LayerHashers(ends)
     for start, piece in _copied_pieces(source, out, piece_bytes):
         whole.update(piece)
-        # Each layer the piece overlaps takes its part. Empty layers are passed over; the
-        # last layer ends at the end of dest, so one ends past ``at``.
+        layers.update(start, piece)
+    return whole.digest(), layers.digests()
+
+
+def pread_hash_layers_into(
+    fd: int,
+    file_offset: int,
+    dest: memoryview,
+    layer_sizes: Iterable[int],
+    piece_bytes: int,
+    deadline: float,
+) -> list[bytes]:
+    """``pread_hash_into``, hashing each piece into each layer it overlaps instead of the
+    whole (layers as ``copy_hash_layers_into``'s): the 16-byte XXH3-128 digest of each
+    layer. A spread fetch reads a run of layers in one call (one release of the GIL)."""
+    if NATIVE:
+        return _fastread.pread_hash_layers_into(  # type: ignore[union-attr]
+            fd, file_offset, dest, layer_sizes, piece_bytes, deadline
+        )
+    if piece_bytes <= 0 or file_offset < 0:
+        raise ValueError("piece_bytes must be > 0 and file_offset >= 0")
+    out = dest.cast("B") if dest.format != "B" else dest
+    layers = _LayerHashers(_layer_ends(layer_sizes, out.nbytes))
+    for start in range(0, out.nbytes, piece_bytes):
+        if time.monotonic() > deadline:
+            raise DeadlinePassed(start)
+        piece = out[start : start + piece_bytes]
+        try:
+            pread_into(fd, file_offset + start, piece)
+        except EndOfFile as exc:
+            raise EndOfFile(start + exc.args[0]) from None
+        layers.update(start, piece)
+    return layers.digests()
+
+
+class _LayerHashers:
+    """One hasher per layer (layer i ends at ``ends[i]``), fed pieces in order: the Python
+    loops' per-layer digests."""
+
+    def __init__(self, ends: list[int]) -> None:
+        self.ends = ends
+        self.hashers = [payload_hasher() for _ in ends]
+        self.layer = 0  # the first layer not yet wholly hashed
+
+    def update(self, start: int, piece: memoryview) -> None:
+        """Each layer the piece at ``start`` overlaps takes its part. Empty layers are
+        passed over; the last layer ends at the end of dest, so one ends past ``at``."""
         at, end = start, start + piece.nbytes
         while at < end:
-            while ends[layer] <= at:
-                layer += 1
-            stop = min(ends[layer], end)
-            layers[layer].update(piece[at - start : stop - start])
+            while self.ends[self.layer] <= at:
+                self.layer += 1
+            stop = min(self.ends[self.layer], end)
+            self.hashers[self.layer].update(piece[at - start : stop - start])
             at = stop
-    return whole.digest(), [hasher.digest() for hasher in layers]
+
+    def digests(self) -> list[bytes]:
+        return [hasher.digest() for hasher in self.hashers]
 
 
 def files_exist(paths: Sequence[str | os.PathLike[str]], deadline: float) -> list[bool]:

@@ -91,6 +91,17 @@ class ObjectFile:
                 self.fd, self.start + pos, buf, piece_bytes, self.deadline
             )
 
+    def readinto_layers_hashed(
+        self, pos: int, buf: memoryview, layer_sizes: list[int], piece_bytes: int
+    ) -> list[bytes]:
+        """``readinto_hashed`` for back-to-back layers of ``layer_sizes`` bytes covering
+        ``buf``: the XXH3-128 digest of each (``fast_io.pread_hash_layers_into``'s)."""
+        self._check_span(pos, buf)
+        with self._errors(pos):
+            return fast_io.pread_hash_layers_into(
+                self.fd, self.start + pos, buf, layer_sizes, piece_bytes, self.deadline
+            )
+
     def _check_span(self, pos: int, buf: memoryview) -> None:
         if pos < 0 or pos + buf.nbytes > self.nbytes:
             raise ValueError(f"[{pos}, {pos + buf.nbytes}) is outside the object")

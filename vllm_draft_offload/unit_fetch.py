@@ -7,8 +7,8 @@ copies) and hashes the whole payload, or one layer (``fast_io``; its digest is t
 checked against the header, ``unit_verify``), with one of two readers:
 
 * native (``fast_io.NATIVE``: the C extension was built and not switched off), the
-  default: the whole loop runs without the GIL, so a unit takes it once (once per layer
-  when spread), and its pieces (``NATIVE_PIECE_BYTES``) can be as small as a core's L2
+  default: the whole loop runs without the GIL, so a unit takes it once (once per run of
+  layers when spread), and its pieces (``NATIVE_PIECE_BYTES``) can be as small as a core's L2
   holds. With 4 MiB pieces on 8-16 threads a piece had left the cache before it was
   hashed: the fetch moved each byte through memory three times where a raw read moves
   it twice, and an H100 host fetched at 0.58-0.65 × the raw read (0.47-0.50 beside a
@@ -35,9 +35,11 @@ partial copy that must not be used (the caller drops the slot).
 
 Spread over threads (``spread``, fs:// only): one unit's layers are read and verified by
 several threads at once, in runs of whole layers of about ``piece_bytes`` (whichever
-reader runs), one read call per layer, each layer checked against its own digest in the
-header (a run stops between layers once another has failed), the earliest unit's runs first
-(run_pool.py), while the caller waits. The layers tile the payload (checked
+reader runs), one read call per run (``fast_io.pread_hash_layers_into``: the run's bytes
+hashed per layer as they land, so the GIL is taken once per run, not once per layer),
+each layer checked against its own digest in the header (a run not yet started is
+skipped once another has failed), the earliest unit's runs first (run_pool.py), while
+the caller waits. The layers tile the payload (checked
 first), so every byte is verified, as by the payload digest. The aim is a unit landing
 in about 1 / threads of the time one thread takes (not yet measured on a GPU host): with
 one unit per thread, the first of a fetch's units landed only after a whole unit's read
@@ -198,13 +200,16 @@ def _read_layers(
     piece: int,
     stop: threading.Event,
 ) -> None:
-    """Read ``layers`` into ``dest``, one call each, each layer checked against its digest."""
+    """Read the run ``layers`` (back to back) into ``dest`` in one call, each layer checked
+    against its digest."""
+    if stop.is_set():
+        return  # another run failed: the unit is refused anyway
     try:
-        for layer in layers:
-            if stop.is_set():
-                return  # another run failed: the unit is refused anyway
-            into = dest[layer.offset : layer.offset + layer.nbytes]
-            check_layer(layer, into.nbytes, file.readinto_hashed(span + layer.offset, into, piece))
+        start, end = layers[0].offset, layers[-1].offset + layers[-1].nbytes
+        sizes = [layer.nbytes for layer in layers]
+        digests = file.readinto_layers_hashed(span + start, dest[start:end], sizes, piece)
+        for layer, digest in zip(layers, digests, strict=True):
+            check_layer(layer, layer.nbytes, digest)
     except BaseException:
         stop.set()
         raise

@@ -156,6 +156,14 @@
 #             on 16 cores) with a warm restart on the defaults before (variant reads8:
 #             8 and 8), raw reads on 8 and 12 threads (about 5.5 min, estimated):
 #             /root/restore_speed_l3_reads8.json
+#   l3-spread  l3-restart on the defaults with three more warm restarts side by side:
+#             spread (l3.spread_reads on: a unit's layers read by several threads, in runs
+#             of about 4 MiB, one native call each, so the first units land early), strict
+#             (l3.wait_past_allowance off: no waits past the 5 % allowance) and both; raw
+#             reads on 12 threads (about 8 min, estimated): /root/restore_speed_l3_spread.json
+#   l3-speed-spread  l3-speed, 32 units, 4, 8 and 12 threads, warm and cold: the default
+#             path against spread reads outside an engine, with each one's first landing
+#             (about 2 min, estimated): /root/l3_speed.json
 #   pinned-read  scripts/gpu/pinned_read.py: warm page-cache reads on 4, 8 and 12 threads
 #             into a pageable buffer, the same buffer registered with the driver (as the
 #             CPU tier is) and a cudaHostAlloc one: whether the in-engine warm fetch's
@@ -392,6 +400,11 @@ declare -A CMD=(
   [l3-reads8]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads8 --raw-threads 8,12 --l3-dir /root/l3r4 --drop-caches \
       --out /root/restore_speed_l3_reads8.json; rm -rf /root/l3r4"
+  [l3-spread]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+      --l3-variants spread,strict,spread+strict --raw-threads 12 --l3-dir /root/l3r5 \
+      --drop-caches --out /root/restore_speed_l3_spread.json; rm -rf /root/l3r5"
+  [l3-speed-spread]="vllm-draft-offload l3-speed --url fs:///root/l3-speed --threads 4,8,12 \
+      --units 32 --modes warm,cold --drop-caches --out /root/l3_speed.json; rm -rf /root/l3-speed"
   [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"
   [l3-native]="for t in 8 16; do vllm-draft-offload l3-stages --dir /root/l3-stages \
       --threads \$t --units 32 --engine-loop-ms 0,0.5 --writes 0 --switch-interval-ms 0.5 \
