@@ -20,7 +20,6 @@ from vllm_draft_offload.copy_paths import (
 )
 from vllm_draft_offload.copy_rules import (
     RULES_FILE,
-    STORE_DMA_FLOOR,
     AutoRule,
     auto_rules,
     rule_source,
@@ -84,7 +83,7 @@ def test_coalesced_copy_is_bit_exact() -> None:
 
 H100 = "NVIDIA H100 80GB HBM3"
 H100_RUN = Path(__file__).parents[1] / "results/gpu/session5_h100/copy_speed.json"
-RULES = {"load": AutoRule(256 * 1024, 16), "store": AutoRule(32 * 1024, 16)}
+RULES = {"load": AutoRule(256 * 1024, 16), "store": AutoRule(256 * 1024, 16)}
 TILE = 2048
 
 
@@ -103,8 +102,7 @@ def _h100_rows() -> list[dict]:
 
 def test_shipped_table_is_what_the_h100_run_measured() -> None:
     """The table's H100 entry (also the default) is derived from the session-5 run of
-    this package's kernel: it beat DMA at every page size up to 256 KiB both ways, and
-    DMA stores first reached the floor (0.70 x pinned memcpy) at 48 KiB."""
+    this package's kernel: it beat DMA at every page size up to 256 KiB both ways."""
     measured = rules_from_rows(_h100_rows())
     assert measured == RULES
     assert auto_rules(H100) == measured
@@ -118,17 +116,13 @@ def test_shipped_table_is_what_the_h100_run_measured() -> None:
 def test_auto_picks_the_path_the_measurements_say(direction: str) -> None:
     """For every page size of the H100 run: pages that never merge go to the kernel
     exactly when the kernel was at least as fast as DMA there and at every smaller
-    size (for stores: and DMA stayed under the floor there and at every smaller size),
-    else to DMA."""
+    size, else to DMA."""
     rows = [r for r in _h100_rows() if r["direction"] == direction]
     gbps = {(r["setting"], r["page_bytes"]): r["GBps"] for r in rows}
-    share = {r["page_bytes"]: r["vs_pinned_memcpy"] for r in rows if r["setting"] == "memcpy"}
     rules = rules_from_rows(_h100_rows())
     kernel_so_far = True
     for page in sorted({r["page_bytes"] for r in rows}):
         kernel_so_far = kernel_so_far and gbps[("kernel", page)] >= gbps[("memcpy", page)]
-        if direction == "store":
-            kernel_so_far = kernel_so_far and share[page] < STORE_DMA_FLOOR
         plan = plan_copies(_scattered([page] * 32), direction, "auto", TILE, rules)  # type: ignore[arg-type]
         assert (len(plan.kernel.sizes), len(plan.memcpy.sizes)) == (
             (32, 0) if kernel_so_far else (0, 32)
@@ -137,19 +131,23 @@ def test_auto_picks_the_path_the_measurements_say(direction: str) -> None:
 
 def test_rules_from_rows_stop_at_the_first_size_dma_wins() -> None:
     def rows(wins: dict[int, tuple[float, float]]) -> list[dict]:
-        """Rows of a 20 GB/s link: every DMA figure under the store floor."""
         out = []
         for page, (kernel, memcpy) in wins.items():
             for direction in ("load", "store"):
                 out += [
                     {
                         "direction": direction,
-                        "setting": setting,
+                        "setting": "kernel",
                         "page_bytes": page,
-                        "GBps": gbps,
-                        "vs_pinned_memcpy": gbps / 20,
-                    }
-                    for setting, gbps in (("kernel", kernel), ("memcpy", memcpy), ("auto", 0.0))
+                        "GBps": kernel,
+                    },
+                    {
+                        "direction": direction,
+                        "setting": "memcpy",
+                        "page_bytes": page,
+                        "GBps": memcpy,
+                    },
+                    {"direction": direction, "setting": "auto", "page_bytes": page, "GBps": 0.0},
                 ]
         return out
 
@@ -163,46 +161,6 @@ def test_rules_from_rows_stop_at_the_first_size_dma_wins() -> None:
     assert rules_from_rows(repeated)["store"].max_bytes == 4096
     with pytest.raises(ValueError, match="no kernel and memcpy rows"):
         rules_from_rows([r for r in rows({4096: (9, 1)}) if r["setting"] != "memcpy"])
-
-
-def test_stores_go_to_dma_from_the_size_where_dma_reaches_the_floor() -> None:
-    """A store runs beside the forward: past the floor the kernel's extra speed only
-    takes SMs from it (copy_rules' docstring). Loads keep the kernel while it is faster."""
-
-    def row(direction: str, setting: str, page: int, share: float) -> dict:
-        return {
-            "direction": direction,
-            "setting": setting,
-            "page_bytes": page,
-            "GBps": 50 * share,
-            "vs_pinned_memcpy": share,
-        }
-
-    floor = STORE_DMA_FLOOR
-    shares = {
-        8192: (0.9, 0.2),
-        32768: (0.9, floor - 0.01),
-        65536: (0.9, floor),
-        1 << 18: (0.9, 0.5),
-    }
-    rows = [
-        row(direction, setting, page, share)
-        for page, (kernel, dma) in shares.items()
-        for direction in ("load", "store")
-        for setting, share in (("kernel", kernel), ("memcpy", dma))
-    ]
-    got = rules_from_rows(rows)
-    # Stores stop at the first size DMA reached the floor, even where DMA falls back
-    # under it at a larger size; loads, where the kernel always won, take it throughout.
-    assert got["store"] == AutoRule(32768, 16)
-    assert got["load"] == AutoRule(1 << 18, 16)
-    plan = plan_copies(_scattered([65536] * 32), "store", "auto", TILE, got)
-    assert (len(plan.kernel.sizes), len(plan.memcpy.sizes)) == (0, 32)
-    plan = plan_copies(_scattered([32768] * 32), "store", "auto", TILE, got)
-    assert (len(plan.kernel.sizes), len(plan.memcpy.sizes)) == (32, 0)
-    unknown = [{k: v for k, v in r.items() if k != "vs_pinned_memcpy"} for r in rows]
-    with pytest.raises(ValueError, match="vs_pinned_memcpy"):
-        rules_from_rows(unknown)
 
 
 def test_written_rules_are_what_auto_reads(tmp_path: Path) -> None:

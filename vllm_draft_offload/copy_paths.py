@@ -17,11 +17,9 @@ Two ways move pages between GPU KV blocks and the page-locked host pool:
 
 ``auto`` follows a measured table (``copy_rules.py``: per GPU and direction, the
 largest copy the kernel moves faster than DMA, from ``vllm-draft-offload
-copy-speed``; for stores, which run beside the forward, only up to the size where
-DMA reaches most of the link): copies up to that size go to the kernel once a group of
-copies planned together (``pipeline_groups``) has enough of them to pay for a launch,
-the rest to DMA, both on the same stream. The decision is per descriptor, after
-merging adjacent pages.
+copy-speed``): copies up to that size go to the kernel once a group of copies planned
+together (``pipeline_groups``) has enough of them to pay for a launch, the rest to DMA,
+both on the same stream. The decision is per descriptor, after merging adjacent pages.
 
 Loads of one step go as few launches for every layer (``run_layers``): layers are
 planned and enqueued in groups of copies (``FIRST_PIECE_DESCRIPTORS``, then twice as

@@ -2,25 +2,11 @@
 
 The table is ``copy_rules.json`` beside this module: per GPU name (as
 ``torch.cuda.get_device_name()`` spells it) and direction, the largest copy (a run
-of pages after merging) that goes to the gather/scatter kernel, and the fewest such
-copies in a batch that pay for a kernel launch. A GPU the table does not name uses
-its ``default`` entry. ``vllm-draft-offload copy-speed --write-rules`` derives an
-entry from a run (``rules_from_rows``) and writes it there, so the threshold follows
-what was measured, not a guess.
-
-Loads go to the kernel up to the largest copy it moves faster than batched DMA: a
-load is waited for by the forward, so only its speed counts. Stores also stop where
-DMA reaches ``STORE_DMA_FLOOR`` of the pinned memcpy limit. A store runs beside the
-next steps' forward (it is issued in ``wait_for_save``), and the kernel copies with
-SMs the forward needs, while DMA uses the copy engines, which decode barely uses. A store
-only has to keep up with the KV the engine makes (about 2 GB/s at the Llama-8B shape
-with 64 requests decoding), far below the link, so past the floor the kernel's extra
-copy speed buys nothing. Measured at that shape (64 KiB pages, 64 requests a batch,
-storing every chunk ÷ the same engine's batches storing nothing, two runs with both
-paths side by side, 24 pairs each): 0.945 with the stores on the kernel, 1.018 on DMA
-(``results/gpu/session28/``). Small pages stay on the kernel, where DMA pays a fixed
-cost per copy (0.05-0.5 x the limit from 2 to 32 KiB) and the host work it adds
-counts where decode is bound by the host.
+of pages after merging) the gather/scatter kernel moves faster than batched DMA,
+and the fewest such copies in a batch that pay for a kernel launch. A GPU the table
+does not name uses its ``default`` entry. ``vllm-draft-offload copy-speed
+--write-rules`` derives an entry from a run (``rules_from_rows``) and writes it
+there, so the threshold follows what was measured, not a guess.
 """
 
 from __future__ import annotations
@@ -38,9 +24,6 @@ RULES_FILE = Path(__file__).with_name("copy_rules.json")
 # Fewest kernel-sized copies in a batch worth a launch (vLLM's MIN_N; copy-speed's
 # batches are far larger, so it does not measure this).
 DEFAULT_MIN_COUNT = 16
-# Stores go to DMA from the smallest page size at which batched DMA reached this share
-# of the pinned memcpy limit in the run the rules come from (module docstring).
-STORE_DMA_FLOOR = 0.6
 
 
 @dataclass(frozen=True)
@@ -102,13 +85,11 @@ def rules_from_rows(
     """An entry from copy-speed rows: per direction, the largest page size up to which
     the kernel was at least as fast as DMA at every measured size (0: DMA wins from
     the smallest), so a size between two measured ones goes to DMA unless the kernel
-    won on both sides. For stores, also only up to the sizes at which DMA stayed under
-    ``STORE_DMA_FLOOR`` x the pinned memcpy limit (the rows' ``vs_pinned_memcpy``)."""
-    best: dict[tuple[str, str, int], Mapping[str, Any]] = {}
+    won on both sides."""
+    best: dict[tuple[str, str, int], float] = {}
     for row in rows:
         key = (row["direction"], row["setting"], int(row["page_bytes"]))
-        if key not in best or float(row["GBps"]) > float(best[key]["GBps"]):
-            best[key] = row
+        best[key] = max(best.get(key, 0.0), float(row["GBps"]))
     rules: dict[Direction, AutoRule] = {}
     for direction in DIRECTIONS:
         pages = sorted(
@@ -120,24 +101,11 @@ def rules_from_rows(
             raise ValueError(f"no kernel and memcpy rows of the same page size for {direction}")
         limit = 0
         for page in pages:
-            kernel, dma = best[(direction, "kernel", page)], best[(direction, "memcpy", page)]
-            if float(kernel["GBps"]) < float(dma["GBps"]):
-                break
-            if direction == "store" and _dma_share(dma) >= STORE_DMA_FLOOR:
+            if best[(direction, "kernel", page)] < best[(direction, "memcpy", page)]:
                 break
             limit = page
         rules[direction] = AutoRule(limit, min_count)
     return rules
-
-
-def _dma_share(row: Mapping[str, Any]) -> float:
-    share = row.get("vs_pinned_memcpy")
-    if share is None:
-        raise ValueError(
-            f"store row of {row['page_bytes']} B: no vs_pinned_memcpy, which the store "
-            "rule needs (a copy-speed run on a GPU writes it)"
-        )
-    return float(share)
 
 
 def write_rules(gpu: str, rules: Rules, measured: str, path: Path) -> None:

@@ -18,9 +18,7 @@ The pool, the device buffer and the batches are ``copy_rig``'s (``Rig``,
 
 ``memcpy`` and ``kernel`` run first, for every page size; ``auto``'s table is then
 derived from them (``copy_rules.rules_from_rows``: per direction, the largest page
-size up to which the kernel was at least as fast as DMA at every size; for stores also
-only while DMA stayed under ``copy_rules.STORE_DMA_FLOOR`` x pinned memcpy, since a
-store runs beside the forward, whose SMs the kernel would take) and ``auto``
+size up to which the kernel was at least as fast as DMA at every size) and ``auto``
 runs with it, so its rows show the measured chooser (``auto_rules``, with its source;
 the shipped table when ``memcpy`` or ``kernel`` did not run). ``--write-rules`` stores
 the derived entry under this GPU's name in the table ``auto`` reads at start
@@ -34,8 +32,7 @@ everything: ``device_GBps``, ``device_vs_pinned_memcpy``), so a shortfall is pla
 the host or on the copy. ``--kernel-block-kib`` and ``--kernel-warps`` try other
 kernel shapes (``scripts/gpu/copy_sweep.sh`` sweeps them).
 
-``summary.<direction>.auto_min_vs_pinned_from_4KiB`` is the issue's goal (>= 0.8; a
-store page at or past the DMA floor reads DMA's figure there, by design);
+``summary.<direction>.auto_min_vs_pinned_from_4KiB`` is the issue's goal (>= 0.8);
 ``kernel_faster_up_to_bytes`` is the largest page size where the kernel beat DMA.
 ``--dry-run-cpu`` runs the same code on CPU tensors (the DMA share as memmove, the
 kernel's share through its CPU fallback; no timing worth reading).
