@@ -388,6 +388,8 @@ def test_paired_ratios_divide_out_each_engines_speed() -> None:
         name: {"on_vs_off": p["on_vs_off"], "ci95": p["ci95"], "pairs": p["pairs"]}
         for name, p in (("none", none), ("store", store))
     }
+    # Reps without wall and decode seconds have no prefill figures.
+    assert summary["paired_prefill"] == {"none": None, "store": None}
     # A report from before pairs (no arms) has no paired figures.
     old = _report(none=[{"reps": [_rep(1000.0)]}], store=[{"reps": [_rep(990.0)]}])
     rep.summarize(old)
@@ -581,3 +583,42 @@ def test_pool_reports_joins_every_files_pairs_per_shape_and_config(tmp_path: Pat
     assert sorted(store["ratios"]) == pytest.approx(sorted([0.98, 1290.0 / 1300.0, 1.0]))
     assert pooled["table"][0]["store_on_vs_off_paired"] == pytest.approx(1290.0 / 1300.0)
     assert pooled["shapes"]["llama8b"]["summary"]["paired"]["none"]["pairs"] == 1
+
+
+def test_prefill_pairs_time_what_stores_add_before_decoding() -> None:
+    """Each batch's prefill seconds (wall less the decode span), storing over opting out
+    per pair: session 29's DMA stores added 0.18 s to a 1.62 s prefill, where its decode
+    rate did not move; a batch without both times is left out."""
+
+    def pair(index: int, on_prefill: float, off_prefill: float) -> list[dict]:
+        reps = _pair(index, 1000.0, 1000.0)
+        for batch, prefill in zip(reps, (on_prefill, off_prefill), strict=True):
+            batch.update(decode_s=2.0, wall_s=2.0 + prefill)
+        return reps
+
+    unmeasured = _pair(9, 1000.0, 1000.0)
+    report = _report(
+        none=[{"reps": pair(0, 1.61, 1.60) + pair(1, 1.60, 1.61)}],
+        store=[{"reps": pair(0, 1.80, 1.62) + pair(1, 1.81, 1.61) + unmeasured}],
+    )
+    rep.summarize(report)
+    store = report["summary"]["paired_prefill"]["store"]
+    assert store["pairs"] == 2
+    assert store["on_vs_off"] == pytest.approx((1.80 / 1.62 + 1.81 / 1.61) / 2)
+    assert report["summary"]["paired"]["store"]["on_vs_off"] == 1.0
+    row = rep.table_row("llama8b", report)["paired_by_config"]
+    assert row["store"]["prefill_on_vs_off"] == store["on_vs_off"]
+    assert row["none"]["prefill_on_vs_off"] == pytest.approx(1.0, abs=0.01)
+    assert rep.prefill_s({"wall_s": 1.0, "decode_s": 2.0}) is None
+
+
+def test_store_thread_config_is_store_with_the_issuer_thread() -> None:
+    from vllm_draft_offload.config import parse_config
+
+    store = decode_configs.connector_config("store", 1.5, 128)
+    threaded = decode_configs.connector_config("store_thread", 1.5, 128)
+    assert store is not None and threaded is not None
+    extra = threaded["kv_connector_extra_config"]
+    assert extra == {**store["kv_connector_extra_config"], "store_thread": True}
+    assert parse_config(extra).store_thread
+    assert "store_thread" in rep.STORING  # its off batches opt out of stores

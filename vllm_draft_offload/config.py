@@ -47,8 +47,8 @@ class L3Config(BaseModel):
     # fs:// only: read the bytes of the units in flight on another io_threads threads,
     # earliest unit first, each unit's layers on several at once (unit_fetch.py), so a
     # fetch's units land one after another from its start. Off until a GPU host shows
-    # it pays: it takes the GIL per layer (36 reads and 36 hashes per unit at the 8B
-    # shape, against 9 and 9), and on a 2-core box it fetched at 0.68-0.97 x.
+    # it pays: on an H200 host (session 29) it landed the first unit in half the time
+    # outside an engine, but fetched slower inside one and took no more restart hits.
     spread_reads: bool = False
     # cost: fetch the part of a storage hit that loads faster than it recomputes
     # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
@@ -148,6 +148,12 @@ class DraftOffloadConfig(BaseModel):
     # memcpy: batched DMA; kernel: vLLM's Triton gather/scatter kernel; auto: per
     # batch, by the size and number of its runs of pages (copy_paths.py).
     copy_path: CopyPath = "auto"
+    # Issue each step's store copies on a thread of their own instead of in
+    # wait_for_save on the engine's thread (store_issuer.py): a DMA batch queued behind
+    # the step's forward can block its call until the GPU has worked through it (H200,
+    # session 29: 1.6 s once a 64-request batch, its prefill 1.10 x as long). Off until
+    # a GPU run shows it pays.
+    store_thread: bool = False
     l3: L3Config = Field(default_factory=L3Config)
     # Mixed into every key: bumping it makes everything stored under another
     # generation unreachable (storage is shared and survives resets and restarts).

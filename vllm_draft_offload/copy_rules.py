@@ -7,6 +7,14 @@ and the fewest such copies in a batch that pay for a kernel launch. A GPU the ta
 does not name uses its ``default`` entry. ``vllm-draft-offload copy-speed
 --write-rules`` derives an entry from a run (``rules_from_rows``) and writes it
 there, so the threshold follows what was measured, not a guess.
+
+Stores follow the same rule as loads. Session 28 sent stores of 32 KiB and more to DMA
+(at the Llama-8B shape with 64 requests decoding, storing every chunk: 1.00 x on DMA
+against 0.95 x on the kernel), but session 29 found where the cost went: DMA's batch
+call blocked the engine's thread for a whole batch's prefill, and storing batches
+spent 1.10-1.13 x as long before decoding as batches opting out, where stores on the
+kernel added nothing (1.00 x). So stores are back on the kernel where it is faster;
+``store_thread`` (store_issuer.py) issues the copies off the engine's thread.
 """
 
 from __future__ import annotations

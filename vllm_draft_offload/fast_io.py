@@ -146,18 +146,9 @@ def pread_hash_into(
     Checks ``deadline`` (``time.monotonic``) before each piece."""
     if NATIVE:
         return _fastread.pread_hash_into(fd, file_offset, dest, piece_bytes, deadline)  # type: ignore[union-attr]
-    if piece_bytes <= 0 or file_offset < 0:
-        raise ValueError("piece_bytes must be > 0 and file_offset >= 0")
-    out = dest.cast("B") if dest.format != "B" else dest
+    out = _read_destination(dest, file_offset, piece_bytes)
     hasher = payload_hasher()
-    for start in range(0, out.nbytes, piece_bytes):
-        if time.monotonic() > deadline:
-            raise DeadlinePassed(start)
-        piece = out[start : start + piece_bytes]
-        try:
-            pread_into(fd, file_offset + start, piece)
-        except EndOfFile as exc:
-            raise EndOfFile(start + exc.args[0]) from None
+    for _, piece in _read_pieces(fd, file_offset, out, piece_bytes, deadline):
         hasher.update(piece)
     return hasher.digest()
 
@@ -209,10 +200,27 @@ def pread_hash_layers_into(
         return _fastread.pread_hash_layers_into(  # type: ignore[union-attr]
             fd, file_offset, dest, layer_sizes, piece_bytes, deadline
         )
+    out = _read_destination(dest, file_offset, piece_bytes)
+    layers = _LayerHashers(_layer_ends(layer_sizes, out.nbytes))
+    for start, piece in _read_pieces(fd, file_offset, out, piece_bytes, deadline):
+        layers.update(start, piece)
+    return layers.digests()
+
+
+def _read_destination(dest: memoryview, file_offset: int, piece_bytes: int) -> memoryview:
+    """``dest`` as bytes, where it, ``file_offset`` and ``piece_bytes`` make a read (else
+    the ValueError ``_fastread`` raises)."""
     if piece_bytes <= 0 or file_offset < 0:
         raise ValueError("piece_bytes must be > 0 and file_offset >= 0")
-    out = dest.cast("B") if dest.format != "B" else dest
-    layers = _LayerHashers(_layer_ends(layer_sizes, out.nbytes))
+    return dest.cast("B") if dest.format != "B" else dest
+
+
+def _read_pieces(
+    fd: int, file_offset: int, out: memoryview, piece_bytes: int, deadline: float
+) -> Iterator[tuple[int, memoryview]]:
+    """Fill ``out`` from ``fd`` piece by piece, yielding each piece's offset and its view
+    right after it landed (the Python loop of both reads); the deadline is checked before
+    each piece."""
     for start in range(0, out.nbytes, piece_bytes):
         if time.monotonic() > deadline:
             raise DeadlinePassed(start)
@@ -221,8 +229,7 @@ def pread_hash_layers_into(
             pread_into(fd, file_offset + start, piece)
         except EndOfFile as exc:
             raise EndOfFile(start + exc.args[0]) from None
-        layers.update(start, piece)
-    return layers.digests()
+        yield start, piece
 
 
 class _LayerHashers:

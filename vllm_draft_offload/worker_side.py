@@ -35,6 +35,7 @@ from vllm_draft_offload.metadata import (
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.overlap_loads import OverlapLoads, remembered_fetches
+from vllm_draft_offload.store_issuer import StoreBatch, StoreIssuer
 from vllm_draft_offload.transfers import (
     HostPool,
     LayerRegion,
@@ -96,6 +97,8 @@ class DraftOffloadWorker(WorkerLoads):
         self._last_load_event: torch.Event | None = None
         self._load_keepalive: list[torch.Tensor] = []
         self._stores = StoreTracker()
+        # store_thread: the step's store copies are issued on a thread of their own.
+        self._issuer: StoreIssuer | None = None
         self._worker_meta = DraftOffloadWorkerMetadata()
         self._load_error_blocks: set[int] = set()
         # Requests, and load jobs, with a load that failed (in part or whole) this
@@ -145,6 +148,8 @@ class DraftOffloadWorker(WorkerLoads):
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
+        if self.config.store_thread:
+            self._issuer = StoreIssuer(self._copy_stores, sample.device)
         self.comparer = RecomputeComparer(
             layout,
             self.regions,
@@ -178,7 +183,13 @@ class DraftOffloadWorker(WorkerLoads):
 
     def handle_preemptions(self, meta: DraftOffloadMetadata) -> None:
         if meta.flush_stores:
-            self._stores.synchronize()
+            self._synchronize_stores()
+
+    def _synchronize_stores(self) -> None:
+        """Wait until every store copy so far is issued and has run."""
+        if self._issuer is not None:
+            self._issuer.drain()
+        self._stores.synchronize()
 
     def wait_for_save(self, meta: DraftOffloadMetadata) -> None:
         self._finish_loads()
@@ -228,25 +239,42 @@ class DraftOffloadWorker(WorkerLoads):
         lead = stores[0]
         total, draft_bytes = self.pair_copier.batch_bytes(pairs)
         lead.sizes = (total - draft_bytes, draft_bytes, chunks)
+        # After this step's forward and drafter wrote the KV: the compute stream's event
+        # (recorded here, on the engine's thread, whose stream that is).
+        ready = None
         if self._on_device and total:
-            assert self._store_stream is not None
-            # After this step's forward and drafter wrote the KV, on the store stream;
-            # timed there, recorded when it completes (get_transfer_results).
-            self._store_stream.wait_stream(torch.cuda.current_stream())
-            lead.start = torch.cuda.Event(enable_timing=True)
-            lead.start.record(self._store_stream)
-            lead.keepalive = self.pair_copier.run(pairs, "store", self._store_stream)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self._store_stream)
-            for store in stores:
-                store.event = end
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        batch = StoreBatch(stores, pairs, ready)
+        if self._issuer is not None:
+            self._issuer.submit(batch)
         else:
-            started = time.perf_counter()
-            self.pair_copier.run(pairs, "store", None)
-            seconds = time.perf_counter() - started
-            self.stats.record_transfer("store", "cpu", *lead.sizes, seconds)
+            self._copy_stores(batch)
         for store in stores:
             self._stores.add(store)
+
+    def _copy_stores(self, batch: StoreBatch) -> None:
+        """Issue a batch's copy: on the store stream behind its event, timed there and
+        recorded when it completes (get_transfer_results), or on the host now. On the
+        engine's thread, or on the store issuer's (store_thread)."""
+        assert self.pair_copier is not None
+        lead = batch.stores[0]
+        if batch.ready is None:
+            started = time.perf_counter()
+            self.pair_copier.run(batch.pairs, "store", None)
+            lead.host_seconds = time.perf_counter() - started
+            return
+        stream = self._store_stream
+        assert stream is not None
+        stream.wait_event(batch.ready)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        keepalive = self.pair_copier.run(batch.pairs, "store", stream)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        lead.start, lead.keepalive = start, keepalive
+        for store in batch.stores:
+            store.event = end
 
     def _retire_store(self, store: InflightStore) -> None:
         """A store copy completed (or was never run): time it, then report or park it."""
@@ -254,6 +282,8 @@ class DraftOffloadWorker(WorkerLoads):
         if store.start is not None and store.event is not None:
             seconds = store.start.elapsed_time(store.event) / 1000.0
             self.stats.record_transfer("store", "cpu", *store.sizes, seconds)
+        elif store.host_seconds is not None:
+            self.stats.record_transfer("store", "cpu", *store.sizes, store.host_seconds)
         if store.failed_cause is not None:
             self._fail_store(job, store.failed_cause)
         else:
@@ -310,6 +340,8 @@ class DraftOffloadWorker(WorkerLoads):
     def shutdown(self) -> None:
         self._async.synchronize()
         self._overlap.synchronize()
+        if self._issuer is not None:
+            self._issuer.close()
         self._stores.synchronize()
         self._stores.poll(self._retire_store)
         if self._l3_link is not None:

@@ -30,6 +30,11 @@ class InflightStore:
     # with its duration once it completes.
     start: torch.cuda.Event | None = None
     sizes: tuple[int, int, int] = (0, 0, 0)  # target bytes, draft bytes, chunks
+    # A copy done on the host (CPU tensors): its seconds, recorded when it retires.
+    host_seconds: float | None = None
+    # False while its copy waits to be issued by the store issuer (store_issuer.py):
+    # not complete, whatever its event says.
+    issued: bool = True
 
 
 class StoreTracker:
@@ -51,7 +56,8 @@ class StoreTracker:
         self._stores.append(store)
 
     def synchronize(self) -> None:
-        """Wait for every store copy (a preemption frees blocks, shutdown frees the pool)."""
+        """Wait for every issued store copy (a preemption frees blocks, shutdown frees the
+        pool): drain the store issuer first, so that every copy is issued."""
         for store in self._stores:
             if store.event is not None:
                 store.event.synchronize()
@@ -61,7 +67,7 @@ class StoreTracker:
         still_running = []
         done_reqs = set()
         for store in self._stores:
-            if store.event is not None and not store.event.query():
+            if not store.issued or (store.event is not None and not store.event.query()):
                 still_running.append(store)
                 continue
             retire(store)

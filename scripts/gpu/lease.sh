@@ -149,6 +149,13 @@
 #             its own name, and whether DMA stores' wait_for_save stalls (355-376 ms in
 #             sessions 19-23 at 16 requests) are one call (about 9 min, estimated):
 #             /root/decode_8b_b64_hooks.json
+#   decode-8b-b64-thread  decode-overhead at the 8B shape, 64 requests a batch, store (the
+#             default: stores on the pair kernel again since session 29), store_dma and
+#             store_thread (store_thread on: store copies issued off the engine's thread;
+#             DMA at this shape only with copy_path memcpy, so run it with --copy-path
+#             memcpy in a second engine too), 8 pairs each, hooks timed: decode and the
+#             batches' prefill (paired_prefill) side by side (about 12 min, estimated):
+#             /root/decode_8b_b64_thread.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -394,6 +401,12 @@ declare -A CMD=(
   [decode-8b-b64-hooks]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs none,store --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
       --engine-timeout 600 --out /root/decode_8b_b64_hooks.json"
+  [decode-8b-b64-thread]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store,store_dma,store_thread --reps 8 --batch 64 --turn-prompts 0 --time-hooks \
+      --engine-timeout 600 --out /root/decode_8b_b64_thread.json; \
+      vllm-draft-offload decode-overhead --shape llama8b --configs store_thread \
+      --copy-path memcpy --reps 8 --batch 64 --turn-prompts 0 --time-hooks \
+      --engine-timeout 600 --out /root/decode_8b_b64_thread_dma.json"
   [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \
       --out /root/restore_speed_l3_reads12.json; rm -rf /root/l3r3"

@@ -23,7 +23,13 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
 * ``store_dma`` / ``store_kernel``: ``store`` with every copy on DMA (``copy_path``
   memcpy) or on the page kernel (``kernel``), whatever ``--copy-path`` says: what
   each path's stores cost decode, side by side (``store_dma_vs_none``,
-  ``store_kernel_vs_none``).
+  ``store_kernel_vs_none``);
+* ``store_thread``: ``store`` with ``store_thread`` on, the store copies issued on a
+  thread of their own.
+
+Besides decode tokens/s, each pair gives its batches' prefill seconds, storing over
+opting out (``paired_prefill``; the table's ``prefill_on_vs_off``): a batch's wall time
+less its decode span, where its prompts are prefilled and stored.
 
 The output file is rewritten after every engine (``complete`` false, no table, until
 the last has run), so a run cut short keeps the engines that finished; the log gives

@@ -4,6 +4,7 @@ summary and table row from its engines' reports (vllm-draft-offload decode-overh
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,7 @@ def acceptance_length(counters: dict[str, float]) -> float | None:
 
 
 # Engines whose paired off batches opt out of stores (decode_batches.arm_params).
-STORING = ("store", "store_dma", "store_kernel")
+STORING = ("store", "store_dma", "store_kernel", "store_thread")
 
 
 def arm_reps(runs: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
@@ -58,14 +59,25 @@ def arm_rates(runs: list[dict[str, Any]], arm: str) -> list[float]:
     return [rep["decode_tok_s"] for rep in arm_reps(runs, arm) if rep.get("decode_tok_s")]
 
 
-def paired(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The on/off ratio of every pair in a config's engines, their median and range."""
+def prefill_s(rep: dict[str, Any]) -> float | None:
+    """A batch's seconds before it decodes (its wall time less the decode span): where
+    its prompts are prefilled, and stored."""
+    wall, decode = rep.get("wall_s"), rep.get("decode_s")
+    return wall - decode if wall and decode and wall > decode else None
+
+
+def paired(
+    runs: list[dict[str, Any]],
+    value: Callable[[dict[str, Any]], float | None] = lambda rep: rep.get("decode_tok_s"),
+) -> dict[str, Any] | None:
+    """The on/off ratio of ``value`` (decode tokens/s unless said) of every pair in a
+    config's engines, their median and range."""
     ratios = []
     for run in runs:
         arms: dict[int, dict[str, float]] = {}
         for rep in run.get("reps", []):
-            if rep.get("decode_tok_s") and "rep" in rep:
-                arms.setdefault(rep["rep"], {})[rep["arm"]] = rep["decode_tok_s"]
+            if value(rep) and "rep" in rep:
+                arms.setdefault(rep["rep"], {})[rep["arm"]] = value(rep)
         ratios += [pair["on"] / pair["off"] for pair in arms.values() if len(pair) == 2]
     if not ratios:
         return None
@@ -176,6 +188,12 @@ def summarize(report: dict[str, Any]) -> None:
         "store_kernel_vs_none": _ratio(rates, "store_kernel", "none"),
         "goal_0.97_met": ratio >= GOAL if ratio is not None else None,
         "paired": {config: paired(runs) for config, runs in report["configs"].items()},
+        # The batches' prefill seconds, storing over opting out: what stores add before
+        # decoding starts (H200, 64 requests: DMA stores 1.10 and 1.13 x in sessions 29
+        # and 28, the pair kernel 1.00 x).
+        "paired_prefill": {
+            config: paired(runs, prefill_s) for config, runs in report["configs"].items()
+        },
         "machine": {config: machine_link(runs) for config, runs in report["configs"].items()},
     }
     off = [
@@ -224,8 +242,12 @@ def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
     turns = summary.get("turns", {})
     # Every config's pairs (store_dma, store_kernel, null, idle too), so a run of
     # several storing configs reads from the table without pooling its file.
+    prefill = summary.get("paired_prefill", {})
     paired = {
-        config: {key: pairs[key] for key in ("on_vs_off", "ci95", "pairs")}
+        config: {
+            **{key: pairs[key] for key in ("on_vs_off", "ci95", "pairs")},
+            **({"prefill_on_vs_off": prefill[config]["on_vs_off"]} if prefill.get(config) else {}),
+        }
         for config, pairs in sorted(summary.get("paired", {}).items())
         if pairs
     }
