@@ -549,6 +549,10 @@ def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Pa
     assert min(hit.lookup_s, hit.fetch_s) > 0
     assert hit.lookup_s + hit.fetch_s <= hit.waited_s
     assert f"(lookup {hit.lookup_s:.4f} s, fetch {hit.fetch_s:.4f} s)" in hit.line()
+    # When its first unit landed, against the estimate a wait before it bets on.
+    assert hit.first_landing_s is not None and hit.first_landing_est_s is not None
+    assert 0 < hit.first_landing_s <= hit.fetch_s, hit.line()
+    assert f"first landing {hit.first_landing_s:.4f} s (est " in hit.line()
     eng.worker.shutdown()
 
 

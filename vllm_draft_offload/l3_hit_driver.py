@@ -288,3 +288,5 @@ class L3HitDriver:
         storage = self.cost.storage
         state.decision.load_s = storage.load_s(units)
         state.decision.unit_s = storage.unit_s
+        if storage.samples:
+            state.decision.first_landing_est_s = storage.first_landing_s(units)

@@ -163,6 +163,8 @@ class L3Waits:
         self.switch_interval.set_waiting(bool(self._waiting))
         if state.fetch_started is not None:
             decision.fetch_s = time.monotonic() - state.fetch_started
+            if state.first_landing is not None:
+                decision.first_landing_s = state.first_landing - state.fetch_started
         decision.outcome = outcome
         decision.landed = landed
         if state.short:
