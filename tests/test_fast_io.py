@@ -199,14 +199,16 @@ def test_layer_digests_are_python_xxhash_and_the_bytes_land_exact(
     assert dest[: len(data)] == data and dest[len(data)] == 0xAA
     # The same whole digest as the single-digest copy.
     assert got[0] == fast_io.copy_hash_into(data, memoryview(bytearray(len(data))), piece)
-    # A spread fetch's read of the same layers from the file: the same layer digests.
+    # A spread fetch's read of the same layers from the file, on one thread or its layers
+    # split over several (l3.threads_per_unit): the same layer digests and bytes.
     fd, _ = data_file
-    read = bytearray(b"\xaa" * (len(data) + 1))
-    layers = fast_io.pread_hash_layers_into(
-        fd, OFFSET, memoryview(read)[: len(data)], sizes, piece, LATER
-    )
-    assert layers == got[1]
-    assert read[: len(data)] == data and read[len(data)] == 0xAA
+    for threads in (1, 2, 3, 8):
+        read = bytearray(b"\xaa" * (len(data) + 1))
+        layers = fast_io.pread_hash_layers_into(
+            fd, OFFSET, memoryview(read)[: len(data)], sizes, piece, LATER, threads
+        )
+        assert layers == got[1], threads
+        assert read[: len(data)] == data and read[len(data)] == 0xAA, threads
 
 
 def test_a_layered_read_fails_as_the_whole_read_does(
@@ -238,6 +240,37 @@ def test_a_layered_read_fails_as_the_whole_read_does(
         fast_io.pread_hash_layers_into(fd, 0, ten, [4, -1, 7], 64, LATER)
     with pytest.raises(OSError):
         fast_io.pread_hash_layers_into(-1, 0, ten, [10], 64, LATER)
+    for threads in (0, fast_io.MAX_READ_THREADS + 1):
+        with pytest.raises(ValueError, match="threads must be in 1.."):
+            fast_io.pread_hash_layers_into(fd, 0, ten, [10], 64, LATER, threads)
+
+
+def test_a_layered_read_on_threads_fails_where_the_earliest_group_stopped(
+    data_file: tuple[int, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers split over threads (the native loop's): a file that ends early names the
+    end of filled bytes of the earliest group that failed (the last group here: earlier
+    groups filled theirs), a bad descriptor fails every group, and a passed deadline
+    writes nothing."""
+    if not fast_io.AVAILABLE:
+        pytest.skip(fast_io.reader())
+    monkeypatch.setattr(fast_io, "NATIVE", True)
+    fd, data = data_file
+    quarter = len(data) // 4
+    sizes = [quarter, quarter, quarter, len(data) - 3 * quarter]
+    dest = bytearray(len(data))
+    with pytest.raises(fast_io.EndOfFile) as ended:
+        fast_io.pread_hash_layers_into(fd, OFFSET + 100, memoryview(dest), sizes, 4096, LATER, 4)
+    assert ended.value.args[0] == len(data) - 100
+    assert dest[: len(data) - 100] == data[100:]
+    with pytest.raises(OSError):
+        fast_io.pread_hash_layers_into(-1, 0, memoryview(dest), sizes, 4096, LATER, 4)
+    untouched = bytearray(b"\xaa" * len(data))
+    with pytest.raises(fast_io.DeadlinePassed) as late:
+        fast_io.pread_hash_layers_into(
+            fd, OFFSET, memoryview(untouched), sizes, 4096, time.monotonic() - 0.001, 4
+        )
+    assert late.value.args[0] == 0 and untouched == b"\xaa" * len(data)
 
 
 def test_layer_copy_takes_any_buffers_of_bytes(reader: str, data_file: tuple[int, bytes]) -> None:
@@ -465,6 +498,9 @@ def test_every_native_call_gives_up_the_gil_once(
         ),
         "pread_hash_layers_into": lambda: fast_io.pread_hash_layers_into(
             fd, 0, memoryview(dest), [len(data) // 4] * 4, piece, LATER
+        ),
+        "pread_hash_layers_into on 4 threads": lambda: fast_io.pread_hash_layers_into(
+            fd, 0, memoryview(dest), [len(data) // 4] * 4, piece, LATER, 4
         ),
     }
     try:

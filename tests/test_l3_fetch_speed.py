@@ -20,8 +20,9 @@ def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
     assert rc == 0
     report = json.loads(out.read_text())
     for mode in ("cold", "warm"):
-        # the worker's default path (one unit per thread) beside l3.spread_reads'
-        for path in ("", "_spread"):
+        # the worker's default path (one unit per thread) beside l3.spread_reads' and
+        # l3.threads_per_unit's (4 by default: with 1 or 2 threads, one unit at a time)
+        for path in ("", "_spread", "_split"):
             assert set(report[f"fetch_GBps{path}"][mode]) == {"1", "2"}
             assert all(v > 0 for v in report[f"fetch_GBps{path}"][mode].values())
             assert all(v > 0 for v in report[f"first_unit_s{path}"][mode].values())
@@ -38,6 +39,7 @@ def test_fetch_speed_reports_cold_and_warm_by_threads_next_to_the_raw_disk(
     # The baseline file is gone; only the units remain.
     assert {p.suffix for p in (tmp_path / "l3").iterdir()} == {".data"}
     assert report["units"] == 3
+    assert report["threads_per_unit"] == 4
 
 
 def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> None:
@@ -53,7 +55,8 @@ def test_fetch_speed_warm_only_on_redis_has_no_raw_baseline(tmp_path: Path) -> N
              "--reps", "1", "--modes", "warm"]
         )  # fmt: skip
     assert set(report["fetch_GBps"]) == {"warm"} and "raw" not in report
-    assert "fetch_GBps_spread" not in report  # Redis objects arrive whole
+    # Redis objects arrive whole: not spread, not split
+    assert "fetch_GBps_spread" not in report and "fetch_GBps_split" not in report
 
 
 def test_stages_report_fetch_next_to_a_plain_read_with_the_split(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from kv_sim import SimEngine, SimSetup, prompt, write_tiny_llama
 
 from vllm_draft_offload import unit_fetch
+from vllm_draft_offload.l3_fs_reads import ObjectFile
 from vllm_draft_offload.l3_objects import object_key
 from vllm_draft_offload.unit_codec import layer_view, pack_unit, read_header
 
@@ -131,6 +132,38 @@ def test_restart_restores_with_each_unit_spread_over_threads(
     second.run_prefill("after-restart")
     assert second.external_hits["after-restart"] == 3 * CHUNK
     assert len(spread_fetches) == 3 and min(spread_fetches) > 1, spread_fetches
+    assert second.mismatched_positions("after-restart") == []
+    second.run_until_done()
+    assert second.outputs["after-restart"] == first.outputs["fresh"]
+    second.worker.shutdown()
+
+
+def test_restart_restores_with_each_unit_split_over_threads_in_one_call(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """l3.threads_per_unit 2 of 4 read threads: two units at a time, each one read call
+    split over two threads; restored KV bit-exact, target and draft, and the same
+    output."""
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(24, 3 * CHUNK + 9)
+    first = fill_l3(model_dirs, url, tokens, max_tokens=3, eagle=True)
+    split_reads: list[int] = []
+    real = ObjectFile.readinto_layers_hashed
+
+    def counting(file, pos, buf, sizes, piece, threads=1):  # type: ignore[no-untyped-def]
+        split_reads.append(threads)
+        return real(file, pos, buf, sizes, piece, threads)
+
+    monkeypatch.setattr(ObjectFile, "readinto_layers_hashed", counting)
+    l3 = {"enabled": True, "timeout_s": 2.0, "hit_policy": "always", "io_threads": 4}
+    second = l3_engine(
+        model_dirs, url, eagle=True, extra_config={"l3": {**l3, "threads_per_unit": 2}}
+    )
+    assert second.worker.worker.l3._read_pool._max_workers == 2
+    second.add_request("after-restart", tokens, max_tokens=3)
+    second.run_prefill("after-restart")
+    assert second.external_hits["after-restart"] == 3 * CHUNK
+    assert split_reads == [2, 2, 2], split_reads
     assert second.mismatched_positions("after-restart") == []
     second.run_until_done()
     assert second.outputs["after-restart"] == first.outputs["fresh"]

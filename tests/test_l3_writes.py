@@ -402,6 +402,28 @@ def test_read_and_write_threads_default_from_the_host(
     assert both.l3.writes_in_flight == 5
 
 
+def test_threads_per_unit_reads_fewer_units_at_once_and_excludes_spread() -> None:
+    """io_threads 12, threads_per_unit 4: three units at a time on four threads each;
+    more threads a unit than read threads still reads one; spread_reads is the other
+    way to split a unit, so not both."""
+    config = parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 12}})
+    assert config.l3.threads_per_unit == 1 and config.l3.units_in_flight == 12
+    split = parse_config(
+        {"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 12, "threads_per_unit": 4}}
+    )
+    assert split.l3.units_in_flight == 3
+    few = parse_config(
+        {"cpu_bytes_to_use": 1 << 30, "l3": {"io_threads": 2, "threads_per_unit": 8}}
+    )
+    assert few.l3.units_in_flight == 1
+    with pytest.raises(ConfigError, match=r"l3\.spread_reads and l3\.threads_per_unit"):
+        parse_config(
+            {"cpu_bytes_to_use": 1 << 30, "l3": {"spread_reads": True, "threads_per_unit": 2}}
+        )
+    with pytest.raises(ConfigError, match=r"l3\.threads_per_unit"):
+        parse_config({"cpu_bytes_to_use": 1 << 30, "l3": {"threads_per_unit": 17}})
+
+
 def test_io_threads_default_from_host_and_flush_timeout_checked() -> None:
     import os
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -85,11 +86,17 @@ def pool() -> Iterator[RunPool]:
     runs.shutdown()
 
 
-@pytest.fixture(params=["one_thread", "spread"])
-def spread(request: pytest.FixtureRequest, pool: RunPool) -> RunPool | None:
-    """fs:// units read by the calling thread alone, or their layers spread over a pool
-    (Redis ignores it: its object arrives whole)."""
-    return pool if request.param == "spread" else None
+@pytest.fixture(params=["one_thread", "spread", "threads_per_unit"])
+def split(request: pytest.FixtureRequest, pool: RunPool) -> dict[str, Any]:
+    """fs:// units read by the calling thread alone, their layers spread over a pool, or
+    split over threads inside one read call (l3.threads_per_unit: natively, else read on
+    the calling thread); Redis ignores it: its object arrives whole. fetch_unit_into's
+    arguments for each."""
+    if request.param == "spread":
+        return {"spread": pool}
+    if request.param == "threads_per_unit":
+        return {"threads_per_unit": 3}
+    return {}
 
 
 def _big_unit(rng: random.Random) -> tuple[bytes, bytes, ExpectedUnit]:
@@ -111,7 +118,7 @@ def _name(rng: random.Random) -> str:
     [(PIECE, NATIVE_PIECE_BYTES), (PIECE_BYTES, PIECE_BYTES), (4096 + 64, 4096 + 64)],
 )
 def test_fetch_lands_the_payload_bit_exact(
-    store: L3Store, piece: int, native_piece: int, spread: RunPool | None
+    store: L3Store, piece: int, native_piece: int, split: dict[str, Any]
 ) -> None:
     """In pieces of PIECE, the product's, and an odd size (a short last piece)."""
     rng = random.Random(1)
@@ -120,7 +127,7 @@ def test_fetch_lands_the_payload_bit_exact(
     store.put(name, blob)
     dest = bytearray(b"\xaa" * len(payload))
     header = fetch_unit_into(
-        store, name, expected, memoryview(dest), piece, spread, native_piece_bytes=native_piece
+        store, name, expected, memoryview(dest), piece, native_piece_bytes=native_piece, **split
     )
     assert header == read_header(blob)[0]
     assert dest == payload
@@ -130,7 +137,7 @@ def test_fetch_lands_the_payload_bit_exact(
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_refused_with_the_codec_cause(
-    store: L3Store, defect: str, spread: RunPool | None
+    store: L3Store, defect: str, split: dict[str, Any]
 ) -> None:
     layers = _layers(random.Random(7))
     header, blob = _pack(layers)
@@ -141,7 +148,7 @@ def test_planted_defect_is_refused_with_the_codec_cause(
     dest = memoryview(bytearray(sum(s.nbytes for s in expected.layers)))
     with pytest.raises(UnitRejected) as exc:
         # 1 KiB runs: every layer of these small units is a run of its own when spread
-        fetch_unit_into(store, name, expected, dest, 1024, spread)
+        fetch_unit_into(store, name, expected, dest, 1024, **split)
     assert exc.value.cause == cause, exc.value
 
 
@@ -192,7 +199,7 @@ def test_a_digest_is_the_payload_checksum_whatever_the_pieces(
 
 @pytest.mark.parametrize("where", ["first_byte", "middle_piece", "last_byte"])
 def test_byte_flipped_in_a_copied_piece_is_refused(
-    store: L3Store, where: str, spread: RunPool | None
+    store: L3Store, where: str, split: dict[str, Any]
 ) -> None:
     """The damaged piece has already landed when its hash is checked: still refused. The
     first byte also lies in what fs:// read with the header (the head), so this is the
@@ -205,7 +212,7 @@ def test_byte_flipped_in_a_copied_piece_is_refused(
     name = _name(rng)
     store.put(name, bytes(bad))
     with pytest.raises(UnitRejected) as exc:
-        fetch_unit_into(store, name, expected, memoryview(bytearray(len(payload))), PIECE, spread)
+        fetch_unit_into(store, name, expected, memoryview(bytearray(len(payload))), PIECE, **split)
     assert exc.value.cause == "checksum_mismatch"
 
 
@@ -243,7 +250,7 @@ def _fs_file(stores: dict[str, L3Store], fs_dir: Path, blob: bytes, name: str) -
 
 @pytest.mark.parametrize("damage", ["cut_in_payload", "cut_in_header", "cut_in_metadata", "grown"])
 def test_fs_file_damaged_on_disk_is_a_corrupt_object(
-    stores: dict[str, L3Store], fs_dir: Path, damage: str, spread: RunPool | None
+    stores: dict[str, L3Store], fs_dir: Path, damage: str, split: dict[str, Any]
 ) -> None:
     """The file disagrees with LMCache's own length prefix: a storage error, as a failed
     FSConnector.get of an existing key is, and the tier stays up."""
@@ -259,7 +266,7 @@ def test_fs_file_damaged_on_disk_is_a_corrupt_object(
         os.truncate(path, cut)
     with pytest.raises(L3Error) as exc:
         fetch_unit_into(
-            stores["fs"], name, expected, memoryview(bytearray(len(payload))), PIECE, spread
+            stores["fs"], name, expected, memoryview(bytearray(len(payload))), PIECE, **split
         )
     assert exc.value.kind == "corrupt"
     assert stores["fs"].healthy()
@@ -364,3 +371,35 @@ def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     assert len(reads) == after  # nothing read into dest after the call returned
     # 4 runs on 3 threads: the last run (d0, d1) never started its read
     assert after < 4, reads
+
+
+def test_threads_per_unit_reads_a_unit_in_one_call_split_over_its_threads(
+    stores: dict[str, L3Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """l3.threads_per_unit: one read call a unit, its layers (tiling the payload) split
+    over that many threads inside it, every layer checked against its digest."""
+    store = stores["fs"]
+    rng = random.Random(11)
+    blob, payload, expected = _big_unit(rng)
+    calls: list[tuple[list[int], int]] = []
+    real = ObjectFile.readinto_layers_hashed
+
+    def recording(
+        file: ObjectFile, pos: int, buf: memoryview, sizes: list[int], piece: int, threads: int = 1
+    ) -> list[bytes]:
+        calls.append((sizes, threads))
+        return real(file, pos, buf, sizes, piece, threads)
+
+    monkeypatch.setattr(ObjectFile, "readinto_layers_hashed", recording)
+    name = _name(rng)
+    store.put(name, blob)
+    dest = bytearray(len(payload))
+    assert fetch_unit_into(store, name, expected, memoryview(dest), threads_per_unit=4)
+    assert dest == payload
+    assert calls == [([1 << 20] * 3 + [96 << 10] * 2, 4)]
+    bad = bytearray(blob)
+    bad[-5] ^= 0x01  # in the last draft layer
+    store.put(name + "0", bytes(bad))
+    with pytest.raises(UnitRejected) as exc:
+        fetch_unit_into(store, name + "0", expected, memoryview(dest), threads_per_unit=4)
+    assert exc.value.cause == "checksum_mismatch"

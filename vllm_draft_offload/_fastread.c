@@ -39,6 +39,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -382,27 +383,134 @@ static PyObject *copy_hash_layers_into(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Most threads one layered read may use: a unit is read by a handful at once. */
+#define MAX_READ_THREADS 64
+
+/* One thread's share of a layered read: dest bytes [begin, end), whole layers
+   [first_layer, ...), their ends relative to begin. */
+struct layer_group {
+    int fd;
+    long long file_offset;
+    char *out;
+    Py_ssize_t begin, end, piece_bytes;
+    double deadline;
+    XXH3_state_t *layers;
+    Py_ssize_t *ends;
+    enum outcome outcome;
+    Py_ssize_t done;
+    int err;
+};
+
+static void *read_layer_group(void *arg) {
+    struct layer_group *g = arg;
+    g->outcome = pread_hash_pieces(g->fd, g->file_offset + g->begin, g->out + g->begin,
+                                   g->end - g->begin, g->piece_bytes, g->deadline, NULL,
+                                   g->layers, g->ends, &g->done, &g->err);
+    return NULL;
+}
+
+/* Split layers (ends[count - 1] == nbytes) into at most `threads` groups of whole layers
+   of about equal bytes; returns how many, each group's first layer in first[] and
+   its byte range in begins[] / stops[]. Every group holds at least one byte. */
+static Py_ssize_t split_layers(const Py_ssize_t *ends, Py_ssize_t count, Py_ssize_t nbytes,
+                               int threads, Py_ssize_t *first, Py_ssize_t *begins,
+                               Py_ssize_t *stops) {
+    Py_ssize_t groups = 0, layer = 0, begin = 0;
+    for (int g = 0; g < threads && layer < count && begin < nbytes; g++) {
+        Py_ssize_t target = (Py_ssize_t)((double)nbytes * (g + 1) / threads);
+        Py_ssize_t start = layer;
+        while (layer < count - 1 && (ends[layer] <= begin || ends[layer] < target))
+            layer++;
+        first[groups] = start;
+        begins[groups] = begin;
+        stops[groups] = ends[layer];
+        begin = ends[layer];
+        layer++;
+        groups++;
+    }
+    return groups;
+}
+
+/* Read dest [0, nbytes) as in pread_hash_pieces, the layers split over up to `threads`
+   threads (the caller's among them), each hashing its own layers; runs without the
+   GIL. The outcome of the earliest group in dest that failed, with *done its end of
+   filled bytes from dest's start (other groups may have filled bytes past it). */
+static enum outcome pread_hash_layer_groups(int fd, long long file_offset, char *out,
+                                            Py_ssize_t nbytes, Py_ssize_t piece_bytes,
+                                            double deadline, XXH3_state_t *layers,
+                                            const Py_ssize_t *ends, Py_ssize_t count,
+                                            int threads, Py_ssize_t *done, int *err) {
+    if (threads <= 1 || count <= 1)
+        return pread_hash_pieces(fd, file_offset, out, nbytes, piece_bytes, deadline, NULL,
+                                 layers, ends, done, err);
+    Py_ssize_t first[MAX_READ_THREADS], begins[MAX_READ_THREADS], stops[MAX_READ_THREADS];
+    Py_ssize_t groups = split_layers(ends, count, nbytes, threads, first, begins, stops);
+    struct layer_group group[MAX_READ_THREADS];
+    pthread_t tid[MAX_READ_THREADS];
+    int started[MAX_READ_THREADS] = {0};
+    Py_ssize_t *relative = malloc((size_t)count * sizeof(*relative));
+    if (relative == NULL) /* no memory for the split: read it on this thread alone */
+        return pread_hash_pieces(fd, file_offset, out, nbytes, piece_bytes, deadline, NULL,
+                                 layers, ends, done, err);
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        Py_ssize_t last = g + 1 < groups ? first[g + 1] : count;
+        for (Py_ssize_t i = first[g]; i < last; i++)
+            relative[i] = ends[i] - begins[g];
+        group[g] = (struct layer_group){fd,          file_offset,    out,
+                                        begins[g],   stops[g],       piece_bytes,
+                                        deadline,    layers + first[g], relative + first[g],
+                                        DONE,        0,              0};
+    }
+    /* Groups 1.. on threads of their own, group 0 here; a thread that cannot be made
+       reads its group here too, after. */
+    for (Py_ssize_t g = 1; g < groups; g++)
+        started[g] = pthread_create(&tid[g], NULL, read_layer_group, &group[g]) == 0;
+    read_layer_group(&group[0]);
+    for (Py_ssize_t g = 1; g < groups; g++) {
+        if (started[g])
+            pthread_join(tid[g], NULL);
+        else
+            read_layer_group(&group[g]);
+    }
+    free(relative);
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        if (group[g].outcome != DONE) {
+            *done = group[g].begin + group[g].done;
+            *err = group[g].err;
+            return group[g].outcome;
+        }
+    }
+    *done = nbytes;
+    return DONE;
+}
+
 PyDoc_STRVAR(pread_hash_layers_into_doc,
-"pread_hash_layers_into(fd, file_offset, dest, layer_sizes, piece_bytes, deadline)\n"
-"    -> list[bytes]\n\n"
+"pread_hash_layers_into(fd, file_offset, dest, layer_sizes, piece_bytes, deadline,\n"
+"                       threads=1) -> list[bytes]\n\n"
 "Fill dest with fd's bytes from file_offset, piece_bytes at a time, hashing each piece\n"
 "right after it landed into each layer it overlaps (layers: back-to-back byte ranges of\n"
 "layer_sizes bytes, in order, covering dest); returns the 16-byte XXH3-128 digest of\n"
-"each layer. Raises as pread_hash_into. The GIL is released for the whole read.");
+"each layer. threads > 1: the layers are split into up to that many groups of whole\n"
+"layers of about equal bytes, each read on a thread of its own (the caller's among them).\n"
+"Raises as pread_hash_into (EndOfFile / DeadlinePassed: `done` is where the earliest\n"
+"group that failed stopped; other groups may have filled bytes past it). The GIL is\n"
+"released for the whole read, and every thread has ended when it returns.");
 
 static PyObject *pread_hash_layers_into(PyObject *self, PyObject *args) {
-    int fd;
+    int fd, threads = 1;
     long long file_offset;
     Py_buffer dest;
     PyObject *layer_sizes;
     Py_ssize_t piece_bytes;
     double deadline;
-    if (!PyArg_ParseTuple(args, "iLw*Ond:pread_hash_layers_into", &fd, &file_offset, &dest,
-                          &layer_sizes, &piece_bytes, &deadline))
+    if (!PyArg_ParseTuple(args, "iLw*Ond|i:pread_hash_layers_into", &fd, &file_offset, &dest,
+                          &layer_sizes, &piece_bytes, &deadline, &threads))
         return NULL;
-    if (piece_bytes <= 0 || file_offset < 0) {
+    if (piece_bytes <= 0 || file_offset < 0 || threads < 1 || threads > MAX_READ_THREADS) {
         PyBuffer_Release(&dest);
-        PyErr_SetString(PyExc_ValueError, "piece_bytes must be > 0 and file_offset >= 0");
+        PyErr_Format(PyExc_ValueError,
+                     "piece_bytes must be > 0 and file_offset >= 0, threads in 1..%d",
+                     MAX_READ_THREADS);
         return NULL;
     }
     PyObject *result = NULL;
@@ -412,8 +520,8 @@ static PyObject *pread_hash_layers_into(PyObject *self, PyObject *args) {
         enum outcome outcome;
         int err = 0;
         BEGIN_WITHOUT_GIL
-        outcome = pread_hash_pieces(fd, file_offset, dest.buf, dest.len, piece_bytes,
-                                    deadline, NULL, layers, ends, &done, &err);
+        outcome = pread_hash_layer_groups(fd, file_offset, dest.buf, dest.len, piece_bytes,
+                                          deadline, layers, ends, count, threads, &done, &err);
         Py_END_ALLOW_THREADS
         result = outcome == DONE ? layer_digest_list(layers, count)
                                  : raise_outcome(outcome, done, err);

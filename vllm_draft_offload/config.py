@@ -10,7 +10,14 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # Keys LMCache reads itself; they are passed through to the L3 tier untouched.
 LMCACHE_KEY_PREFIX = "lmcache."
@@ -50,6 +57,14 @@ class L3Config(BaseModel):
     # it pays: on an H200 host (session 29) it landed the first unit in half the time
     # outside an engine, but fetched slower inside one and took no more restart hits.
     spread_reads: bool = False
+    # fs:// only: each unit's layers read by this many threads at once, inside one
+    # native call without the GIL (fast_io.pread_hash_layers_into); a fetch then reads
+    # io_threads // threads_per_unit units at a time (units_in_flight), as many threads in
+    # all, each unit landing in about 1 / threads_per_unit of one thread's time, so a
+    # fetch's first units land early. A whole unit read by one thread takes about a
+    # request's 5 % allowance at the 8B shape, which is why waits bet past it (session 29).
+    # 1: one thread a unit. Off until a GPU host shows it pays.
+    threads_per_unit: int = Field(default=1, ge=1, le=16)
     # cost: fetch the part of a storage hit that loads faster than it recomputes
     # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
     hit_policy: Literal["cost", "always", "never"] = "cost"
@@ -84,6 +99,20 @@ class L3Config(BaseModel):
     @classmethod
     def _auto_io_threads(cls, value: Any) -> Any:
         return default_io_threads() if value is None else value
+
+    @model_validator(mode="after")
+    def _one_way_to_split_reads(self) -> L3Config:
+        if self.spread_reads and self.threads_per_unit > 1:
+            raise ValueError(
+                "l3.spread_reads and l3.threads_per_unit > 1 both split a unit's reads "
+                "over threads: set one of them"
+            )
+        return self
+
+    @property
+    def units_in_flight(self) -> int:
+        """Units a worker reads at once: `io_threads` threads, `threads_per_unit` a unit."""
+        return max(1, self.io_threads // self.threads_per_unit)
 
     @property
     def writes_in_flight(self) -> int:

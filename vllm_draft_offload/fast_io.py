@@ -95,6 +95,9 @@ PIECE_BYTES: Final = 4 << 20
 # CPUs, shared with the read's kernel copy) when it is hashed right after landing.
 NATIVE_PIECE_BYTES: Final = 256 << 10
 
+# Most threads one layered read may use (_fastread's MAX_READ_THREADS).
+MAX_READ_THREADS: Final = 64
+
 ENV_VAR: Final = "VLLM_DRAFT_OFFLOAD_NATIVE_IO"
 # The extension could be imported and has every function called here (whether or not it
 # is used).
@@ -192,13 +195,22 @@ def pread_hash_layers_into(
     layer_sizes: Iterable[int],
     piece_bytes: int,
     deadline: float,
+    threads: int = 1,
 ) -> list[bytes]:
     """``pread_hash_into``, hashing each piece into each layer it overlaps instead of the
     whole (layers as ``copy_hash_layers_into``'s): the 16-byte XXH3-128 digest of each
-    layer. A spread fetch reads a run of layers in one call (one release of the GIL)."""
+    layer. A spread fetch reads a run of layers in one call (one release of the GIL).
+
+    ``threads`` > 1 (1 to ``MAX_READ_THREADS``): natively, the layers are split into up to
+    that many groups of whole layers of about equal bytes, each read on a thread of its
+    own within the one call, so a unit lands in about 1 / threads of one thread's time
+    (``l3.threads_per_unit``); ``EndOfFile`` / ``DeadlinePassed`` then give where the
+    earliest group that failed stopped. The Python loop reads on the calling thread alone."""
+    if not 1 <= threads <= MAX_READ_THREADS:
+        raise ValueError(f"threads must be in 1..{MAX_READ_THREADS}, not {threads}")
     if NATIVE:
         return _fastread.pread_hash_layers_into(  # type: ignore[union-attr]
-            fd, file_offset, dest, layer_sizes, piece_bytes, deadline
+            fd, file_offset, dest, layer_sizes, piece_bytes, deadline, threads
         )
     out = _read_destination(dest, file_offset, piece_bytes)
     layers = _LayerHashers(_layer_ends(layer_sizes, out.nbytes))

@@ -92,14 +92,15 @@ class ObjectFile:
             )
 
     def readinto_layers_hashed(
-        self, pos: int, buf: memoryview, layer_sizes: list[int], piece_bytes: int
+        self, pos: int, buf: memoryview, layer_sizes: list[int], piece_bytes: int, threads: int = 1
     ) -> list[bytes]:
         """``readinto_hashed`` for back-to-back layers of ``layer_sizes`` bytes covering
-        ``buf``: the XXH3-128 digest of each (``fast_io.pread_hash_layers_into``'s)."""
+        ``buf``: the XXH3-128 digest of each (``fast_io.pread_hash_layers_into``'s, the
+        layers split over ``threads`` threads)."""
         self._check_span(pos, buf)
         with self._errors(pos):
             return fast_io.pread_hash_layers_into(
-                self.fd, self.start + pos, buf, layer_sizes, piece_bytes, self.deadline
+                self.fd, self.start + pos, buf, layer_sizes, piece_bytes, self.deadline, threads
             )
 
     def _check_span(self, pos: int, buf: memoryview) -> None:

@@ -37,8 +37,8 @@ class SchedulerL3:
 
     def __init__(self, config: L3Config, world_size: int = 1) -> None:
         self.world_size = world_size
-        # A fetch's first round: one unit per read thread (each worker's io_threads).
-        self.first_round_units = config.io_threads
+        # A fetch's first round: the units a worker reads at once (l3.units_in_flight).
+        self.first_round_units = config.units_in_flight
         self.store = open_store(config)
         self._pool = ThreadPoolExecutor(
             LOOKUP_THREADS, thread_name_prefix="draft-offload-l3-lookup"

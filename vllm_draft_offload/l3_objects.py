@@ -26,15 +26,15 @@ def object_key(chunk_key: bytes, rank: int) -> str:
 def open_store(config: L3Config, unit_bytes: int = 0) -> L3Store | None:
     """Connect to the configured backend; None (and a warning) when it is unreachable.
 
-    With `unit_bytes`, the default staging pool holds io_threads reads and the
-    worker's writes in flight at once: the unpinned host memory the tier may use,
-    bounded by `l3_staging_mb` when that is set."""
+    With `unit_bytes`, the default staging pool holds the worker's reads
+    (units_in_flight) and writes in flight at once: the unpinned host memory the tier
+    may use, bounded by `l3_staging_mb` when that is set."""
     try:
         store = L3Store.from_lmcache(
             config.config_file,
             config.lmcache,
             timeout_s=config.timeout_s,
-            min_staging_bytes=(config.io_threads + config.writes_in_flight)
+            min_staging_bytes=(config.units_in_flight + config.writes_in_flight)
             * (unit_bytes + STAGING_HEADER_BYTES),
         )
     except L3Error as exc:

@@ -61,7 +61,7 @@ class L3Prefetch:
         self.cost = CostModel(
             chunk_size,
             unit_bytes,
-            config.io_threads,
+            config.units_in_flight,
             wait_past_allowance=config.wait_past_allowance,
         )
         self.log = DecisionLog(config.log_decisions)

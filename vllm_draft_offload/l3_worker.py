@@ -81,9 +81,18 @@ class WorkerL3(L3WriteBehind):
         # Separate pools: a fetch has a request waiting on it and must never queue
         # behind write-behind (l3_write_behind).
         self._init_writes(config.writes_in_flight)
+        # A unit a read thread; with l3.threads_per_unit, fewer units at once, each read
+        # by that many threads inside one native call (unit_fetch).
         self._read_pool = ThreadPoolExecutor(
-            config.io_threads, thread_name_prefix="draft-offload-l3-read"
+            config.units_in_flight, thread_name_prefix="draft-offload-l3-read"
         )
+        if config.threads_per_unit > 1 and self.store is not None and not self.store.reads_files:
+            logger.warning(
+                "DraftOffloadConnector: l3.threads_per_unit=%d splits fs:// reads only; "
+                "this backend's units are copied whole, %d at a time",
+                config.threads_per_unit,
+                config.units_in_flight,
+            )
         # l3.spread_reads: fs:// fetches read their units' bytes on these threads,
         # earliest unit first (unit_fetch.py), so that a fetch's first units land early
         # instead of all together after a whole unit's read; read threads open and wait.
@@ -167,6 +176,7 @@ class WorkerL3(L3WriteBehind):
                 self.fetch_piece_bytes,
                 self._spread_pool,
                 self.fetch_native_piece_bytes,
+                self.config.threads_per_unit,
             )
             if header is None:
                 self.fetches_done.put(FetchResult(job_id, slot, None, "object_missing"))

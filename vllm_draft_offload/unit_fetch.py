@@ -83,11 +83,15 @@ def fetch_unit_into(
     piece_bytes: int = PIECE_BYTES,
     spread: RunPool | None = None,
     native_piece_bytes: int = NATIVE_PIECE_BYTES,
+    threads_per_unit: int = 1,
 ) -> UnitHeader | None:
     """Read object ``name`` into ``dest`` (exactly the payload's size) and verify it,
     ``native_piece_bytes`` (native reader) or ``piece_bytes`` (Python reader) at a time;
     fs:// objects of more than one run of layers (``piece_bytes`` each) with the help of
-    ``spread``'s threads (never the caller's own pool: the caller waits for them).
+    ``spread``'s threads (never the caller's own pool: the caller waits for them), or,
+    with ``threads_per_unit`` > 1, their layers split over that many threads inside one
+    native call (``fast_io.pread_hash_layers_into``; the Python reader reads them on the
+    calling thread), each layer checked against its own digest.
 
     Returns the unit's header, or None when the object is absent. Raises
     ``UnitRejected`` for a unit that must not be used and ``L3Error`` for a storage
@@ -99,7 +103,9 @@ def fetch_unit_into(
         try:
             return store.read_file(
                 name,
-                lambda file: _read_file_into(file, expected, dest, piece_bytes, piece, spread),
+                lambda file: _read_file_into(
+                    file, expected, dest, piece_bytes, piece, spread, threads_per_unit
+                ),
             )
         except L3Error as exc:
             if exc.kind != "unsupported":  # an fs plugin whose connector has no files
@@ -114,6 +120,7 @@ def _read_file_into(
     run_bytes: int,
     piece: int,
     spread: RunPool | None = None,
+    threads_per_unit: int = 1,
 ) -> UnitHeader:
     if file.nbytes < PREFIX_SIZE:
         raise UnitRejected("truncated", f"{file.nbytes} bytes, prefix needs {PREFIX_SIZE}")
@@ -129,29 +136,46 @@ def _read_file_into(
         if len(runs) > 1:
             _read_runs(file, span, dest, runs, piece, spread)
             return header
+    if threads_per_unit > 1:
+        layers = tiled_layers(header)
+        sizes = [layer.nbytes for layer in layers]
+        digests = file.readinto_layers_hashed(span, dest, sizes, piece, threads_per_unit)
+        for layer, digest in zip(layers, digests, strict=True):
+            check_layer(layer, layer.nbytes, digest)
+        return header
     check_payload(header, dest.nbytes, file.readinto_hashed(span, dest, piece))
     return header
 
 
-def layer_runs(header: UnitHeader, run_bytes: int) -> list[list[LayerEntry]]:
-    """The header's layers in payload order, in runs of whole layers of at least
-    ``run_bytes`` (the last may be shorter). Raises ``corrupt_header`` unless the layers
-    tile the payload: back to back from byte 0 to its end."""
-    runs: list[list[LayerEntry]] = [[]]
-    run_size = end = 0
-    for layer in sorted(header.layers, key=lambda entry: entry.offset):
+def tiled_layers(header: UnitHeader) -> list[LayerEntry]:
+    """The header's layers in payload order. Raises ``corrupt_header`` unless they tile
+    the payload, back to back from byte 0 to its end (else checking every layer's digest
+    would leave bytes unchecked)."""
+    layers = sorted(header.layers, key=lambda entry: entry.offset)
+    end = 0
+    for layer in layers:
         if layer.offset != end or layer.nbytes < 0:
             raise UnitRejected(
                 "corrupt_header", f"layer {layer.name!r} at {layer.offset}, not {end}"
             )
         end += layer.nbytes
+    if end != header.payload_nbytes:
+        raise UnitRejected("corrupt_header", f"layers cover {end} of {header.payload_nbytes} bytes")
+    return layers
+
+
+def layer_runs(header: UnitHeader, run_bytes: int) -> list[list[LayerEntry]]:
+    """The header's layers in payload order, in runs of whole layers of at least
+    ``run_bytes`` (the last may be shorter). Raises ``corrupt_header`` unless the layers
+    tile the payload (``tiled_layers``)."""
+    runs: list[list[LayerEntry]] = [[]]
+    run_size = 0
+    for layer in tiled_layers(header):
         if run_size >= run_bytes:
             runs.append([])
             run_size = 0
         runs[-1].append(layer)
         run_size += layer.nbytes
-    if end != header.payload_nbytes:
-        raise UnitRejected("corrupt_header", f"layers cover {end} of {header.payload_nbytes} bytes")
     return runs
 
 

@@ -168,8 +168,15 @@
 #             of about 4 MiB, one native call each, so the first units land early), strict
 #             (l3.wait_past_allowance off: no waits past the 5 % allowance) and both; raw
 #             reads on 12 threads (about 8 min, estimated): /root/restore_speed_l3_spread.json
+#   l3-split  l3-restart on the defaults with three more warm restarts side by side:
+#             split4 (l3.threads_per_unit 4: each unit's layers read by four threads in one
+#             native call, three units at a time on 12 read threads, so the first units
+#             land in about a quarter of a unit's time), split4+strict (then the 5 %
+#             allowance may suffice: no bets, the bound holds) and strict (about 8 min,
+#             estimated): /root/restore_speed_l3_split.json
 #   l3-speed-spread  l3-speed, 32 units, 4, 8 and 12 threads, warm and cold: the default
-#             path against spread reads outside an engine, with each one's first landing
+#             path against spread reads and units split over 4 threads (threads_per_unit)
+#             outside an engine, with each one's first landing
 #             (about 2 min, estimated): /root/l3_speed.json
 #   pinned-read  scripts/gpu/pinned_read.py: warm page-cache reads on 4, 8 and 12 threads
 #             into a pageable buffer, the same buffer registered with the driver (as the
@@ -416,6 +423,9 @@ declare -A CMD=(
   [l3-spread]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants spread,strict,spread+strict --raw-threads 12 --l3-dir /root/l3r5 \
       --drop-caches --out /root/restore_speed_l3_spread.json; rm -rf /root/l3r5"
+  [l3-split]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+      --l3-variants split4,split4+strict,strict --raw-threads 12 --l3-dir /root/l3r6 \
+      --drop-caches --out /root/restore_speed_l3_split.json; rm -rf /root/l3r6"
   [l3-speed-spread]="vllm-draft-offload l3-speed --url fs:///root/l3-speed --threads 4,8,12 \
       --units 32 --modes warm,cold --drop-caches --out /root/l3_speed.json; rm -rf /root/l3-speed"
   [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"

@@ -13,7 +13,9 @@ time is not involved.
 For fs://, each pass runs twice side by side: the worker's default path, one unit per
 thread, read by that thread alone (``fetch_GBps``), and ``l3.spread_reads``' path,
 where N threads take a unit each and spread its layers over another N
-(``fetch_GBps_spread``). Each also reports when the first unit landed
+(``fetch_GBps_spread``), and ``l3.threads_per_unit``'s (``--threads-per-unit``, default 4),
+where N / 4 threads take a unit each and split its layers over 4 threads inside one
+native read call (``fetch_GBps_split``). Each also reports when the first unit landed
 (``first_unit_s``, ``first_unit_s_spread``), which is what a request's wait allowance
 has to cover before anything it waits for has arrived.
 
@@ -85,23 +87,39 @@ def write_units(store: L3Store, units: int, unit_bytes: int) -> ExpectedUnit:
 
 
 def read_all(
-    store: L3Store, units: int, expected: ExpectedUnit, threads: int, spread: bool = False
+    store: L3Store,
+    units: int,
+    expected: ExpectedUnit,
+    threads: int,
+    spread: bool = False,
+    threads_per_unit: int = 1,
 ) -> tuple[float, float]:
     """Seconds to fetch, verify and copy every unit into its own host slot, and until
     the first one had landed. `spread`: each unit's layers over another `threads`
-    threads, as the worker reads fs:// units with l3.spread_reads."""
+    threads, as the worker reads fs:// units with l3.spread_reads; `threads_per_unit`:
+    `threads` // it units at a time, each split over that many threads in one read call
+    (l3.threads_per_unit)."""
     slot_bytes = sum(layer.nbytes for layer in expected.layers)
     slots = np.ones((units, slot_bytes), dtype=np.uint8)  # touched, like the host pool
     landed = [float("inf")] * units
 
     spread_pool = RunPool(threads, "l3-speed-spread") if spread else None
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(max(1, threads // threads_per_unit)) as pool:
 
         def fetch(i: int) -> None:
             # The worker's own fetch path (WorkerL3._fetch): read, verify, into the slot.
             dest = memoryview(slots[i])
+            name = f"{i:032x}"
             if (
-                fetch_unit_into(store, f"{i:032x}", expected, dest, PIECE_BYTES, spread_pool)
+                fetch_unit_into(
+                    store,
+                    name,
+                    expected,
+                    dest,
+                    PIECE_BYTES,
+                    spread_pool,
+                    threads_per_unit=threads_per_unit,
+                )
                 is None
             ):
                 raise RuntimeError(f"unit {i} missing")
@@ -144,6 +162,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="cold passes drop the whole host's page cache (root) instead of the units' files",
     )
+    ap.add_argument(
+        "--threads-per-unit",
+        type=int,
+        default=4,
+        help="fs://: also read with each unit split over this many threads (l3.threads_per_unit;"
+        " 1: not)",
+    )
     ap.add_argument("--no-raw", action="store_true", help="skip the raw disk baseline")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -163,12 +188,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         timeout_s=600,
     )
-    # path (its report keys' suffix) -> spread?; then path -> mode -> threads -> GB/s,
-    # and seconds until the first unit landed. Only fs:// units can be spread: other
-    # backends' arrive whole.
-    paths = {"": False}
+    # path (its report keys' suffix) -> (spread?, threads a unit); then path -> mode ->
+    # threads -> GB/s, and seconds until the first unit landed. Only fs:// units can be
+    # spread or split: other backends' arrive whole.
+    paths = {"": (False, 1)}
     if directory is not None:
-        paths["_spread"] = True
+        paths["_spread"] = (True, 1)
+        if args.threads_per_unit > 1:
+            paths["_split"] = (False, args.threads_per_unit)
     fetch: dict[str, dict[str, dict[str, float]]] = {p: {m: {} for m in modes} for p in paths}
     first: dict[str, dict[str, dict[str, float]]] = {p: {m: {} for m in modes} for p in paths}
     cold_method = None
@@ -177,14 +204,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         files = sorted(directory.glob("*.data")) if directory is not None else []
         for n in threads:
             for mode in modes:
-                for path, spread in paths.items():
+                for path, (spread, per_unit) in paths.items():
                     best = (float("inf"), float("inf"))
                     for _ in range(args.reps):
                         if mode == "cold":
                             cold_method = evict(files, args.drop_caches)
                         else:
                             read_all(store, args.units, expected, n)  # into the page cache
-                        best = min(best, read_all(store, args.units, expected, n, spread))
+                        best = min(best, read_all(store, args.units, expected, n, spread, per_unit))
                     fetch[path][mode][str(n)] = args.units * unit_bytes / best[0] / 1e9
                     first[path][mode][str(n)] = best[1]
                     print(
@@ -201,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "unit_bytes": unit_bytes,
         "units": args.units,
         "fetch_reader": fast_io.reader(),  # native or Python read-and-hash loop
+        "threads_per_unit": args.threads_per_unit if "_split" in paths else None,
         **{f"fetch_GBps{path}": fetch[path] for path in paths},
         **{f"first_unit_s{path}": first[path] for path in paths},
         "cold_method": cold_method,

@@ -27,7 +27,8 @@ another, on the same prompts:
   `--l3-variants` adds more warm restarts after it, each with other settings
   (`spread`: `l3.spread_reads` on; `strict`: `l3.wait_past_allowance` off;
   `interval5`: Python's 5 ms GIL switch interval instead of `l3.switch_interval_ms`;
-  `writes2`: `l3.write_threads` 2; `overlap`: `l3.overlap_restore` on; `+` joins
+  `writes2`: `l3.write_threads` 2; `overlap`: `l3.overlap_restore` on; `split4`:
+  `l3.threads_per_unit` 4; `+` joins
   them), so they are measured side by side against the same stored units and page
   cache.
 
