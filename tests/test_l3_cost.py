@@ -316,6 +316,12 @@ def test_without_wait_past_allowance_a_request_stops_at_its_allowance() -> None:
         past = allowance * 1.01
         assert lenient.may_wait(phase, past, 0.0, landing_s=0.001, fetched=3, **args)[0]
         assert not strict.may_wait(phase, past, 0.0, landing_s=0.001, fetched=3, **args)[0]
+        # Strict stops at the last poll before its allowance ends: looked at every
+        # allowance / 4, at 0.8 of it the next look would come past it.
+        poll = allowance / 4
+        assert lenient.may_wait(phase, 0.8 * allowance, 0.0, poll_s=poll, **args)[0]
+        assert not strict.may_wait(phase, 0.8 * allowance, 0.0, poll_s=poll, **args)[0]
+        assert strict.may_wait(phase, 0.7 * allowance, 0.0, poll_s=poll, **args)[0]
 
 
 def _model(unit_s: float) -> CostModel:

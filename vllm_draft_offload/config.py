@@ -73,7 +73,8 @@ class L3Config(BaseModel):
     # (the bound: a hit costs at most recompute + 5 %). True: also past it, while the
     # lookup answers within two round trips or the fetch keeps its measured pace and
     # beats recomputing the rest; a storage whose first units land late is then still
-    # used, at the cost of that bound (session 9: partial hits at 1.16-1.29 x).
+    # used, at the cost of that bound (session 9: partial hits at 1.16-1.29 x). False:
+    # a request stops at the last scheduler step before its allowance ends.
     wait_past_allowance: bool = True
     # Admit a request whose storage fetch is under way (and on pace) before its units
     # have landed, as an asynchronous load that copies each unit to the GPU as soon as

@@ -20,6 +20,10 @@ landed (those it no longer has to compute). Admitted at any moment within that
 allowance, the request finishes no later than recomputing everything would plus
 that fraction, however slow the storage turns out to be.
 
+With `l3.wait_past_allowance` off, the allowance is the end: a request stops at the
+last poll before it ends (its next poll, a step later, would come past it), so the
+worst case is recompute + PROBE_WAIT_FRACTION whatever the storage speed.
+
 `CostModel.may_wait` also lets a request wait past its allowance (unless
 `l3.wait_past_allowance` is off), on what the estimates promise, in three bounded
 bets: a lookup for two round trips and two polls; a fetch before its first landing
@@ -227,17 +231,20 @@ class CostModel:
         among them, let a request behind storage writes on an H100 (session 15) wait
         98 ms against a 33 ms allowance, at 1.31 x recompute."""
         allowance = self.wait_allowance_s(first_chunk, num_chunks, landed)
+        step_s = self.step_s if poll_s is None else poll_s
+        if not self.wait_past_allowance:
+            # The allowance is the end, a poll's overshoot included: the request is looked
+            # at again only a step from now (session 29, H200: waits that stopped at the
+            # first poll past the allowance overshot it by up to 9 ms, 1.06-1.08 x).
+            return waited_s + step_s < allowance, allowance
         if waited_s < allowance:
             return True, allowance
         storage = self.storage
-        if not self.wait_past_allowance:
-            return False, allowance
         if phase == "probe" or storage.samples == 0:
             whole = self.recompute_chunks_s(first_chunk, num_chunks) or 0.0
             return may_wait_for_resident_probe(
                 waited_s, first_round_resident, RESIDENT_WAIT_FRACTION * whole
             ), allowance
-        step_s = self.step_s if poll_s is None else poll_s
         if phase == "lookup":
             return waited_s < 2 * (storage.round_trip_s + step_s), allowance
         recompute = self.recompute_chunks_s(first_chunk + landed, coming, num_chunks)
