@@ -341,12 +341,12 @@ def test_a_spread_fetch_reads_on_several_threads_and_stops_them_on_damage(
     real = ObjectFile.readinto_layers_hashed
 
     def recording(
-        file: ObjectFile, pos: int, buf: memoryview, sizes: list[int], piece: int
+        file: ObjectFile, pos: int, buf: memoryview, sizes: list[int], piece: int, threads: int
     ) -> list[bytes]:
         reads.append(threading.current_thread().name)
         if pos != span:
             time.sleep(0.05)  # every run but the first: slow enough that the runs overlap
-        return real(file, pos, buf, sizes, piece)
+        return real(file, pos, buf, sizes, piece, threads)
 
     monkeypatch.setattr(ObjectFile, "readinto_layers_hashed", recording)
     name = _name(rng)

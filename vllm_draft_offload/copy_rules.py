@@ -8,7 +8,7 @@ does not name uses its ``default`` entry. ``vllm-draft-offload copy-speed
 --write-rules`` derives an entry from a run (``rules_from_rows``) and writes it
 there, so the threshold follows what was measured, not a guess.
 
-Stores follow the same rule as loads. Session 28 sent stores of 32 KiB and more to DMA
+Stores follow the same rule as loads. Session 28 sent stores above 32 KiB to DMA
 (at the Llama-8B shape with 64 requests decoding, storing every chunk: 1.00 x on DMA
 against 0.95 x on the kernel), but session 29 found where the cost went: DMA's batch
 call blocked the engine's thread for a whole batch's prefill, and storing batches

@@ -137,11 +137,7 @@ def _read_file_into(
             _read_runs(file, span, dest, runs, piece, spread)
             return header
     if threads_per_unit > 1:
-        layers = tiled_layers(header)
-        sizes = [layer.nbytes for layer in layers]
-        digests = file.readinto_layers_hashed(span, dest, sizes, piece, threads_per_unit)
-        for layer, digest in zip(layers, digests, strict=True):
-            check_layer(layer, layer.nbytes, digest)
+        _read_checked_layers(file, span, dest, tiled_layers(header), piece, threads_per_unit)
         return header
     check_payload(header, dest.nbytes, file.readinto_hashed(span, dest, piece))
     return header
@@ -224,19 +220,32 @@ def _read_layers(
     piece: int,
     stop: threading.Event,
 ) -> None:
-    """Read the run ``layers`` (back to back) into ``dest`` in one call, each layer checked
-    against its digest."""
+    """``_read_checked_layers`` of one run, on a spread thread: a run not yet started once
+    another has failed is skipped, and a failure stops the runs not yet started."""
     if stop.is_set():
         return  # another run failed: the unit is refused anyway
     try:
-        start, end = layers[0].offset, layers[-1].offset + layers[-1].nbytes
-        sizes = [layer.nbytes for layer in layers]
-        digests = file.readinto_layers_hashed(span + start, dest[start:end], sizes, piece)
-        for layer, digest in zip(layers, digests, strict=True):
-            check_layer(layer, layer.nbytes, digest)
+        _read_checked_layers(file, span, dest, layers, piece)
     except BaseException:
         stop.set()
         raise
+
+
+def _read_checked_layers(
+    file: ObjectFile,
+    span: int,
+    dest: memoryview,
+    layers: list[LayerEntry],
+    piece: int,
+    threads: int = 1,
+) -> None:
+    """Read back-to-back ``layers`` into their place in ``dest`` in one call (split over
+    ``threads`` threads), each layer checked against its digest."""
+    start, end = layers[0].offset, layers[-1].offset + layers[-1].nbytes
+    sizes = [layer.nbytes for layer in layers]
+    digests = file.readinto_layers_hashed(span + start, dest[start:end], sizes, piece, threads)
+    for layer, digest in zip(layers, digests, strict=True):
+        check_layer(layer, layer.nbytes, digest)
 
 
 def _copy_blob_into(

@@ -76,8 +76,8 @@ def paired(
     for run in runs:
         arms: dict[int, dict[str, float]] = {}
         for rep in run.get("reps", []):
-            if value(rep) and "rep" in rep:
-                arms.setdefault(rep["rep"], {})[rep["arm"]] = value(rep)
+            if (measured := value(rep)) and "rep" in rep:
+                arms.setdefault(rep["rep"], {})[rep["arm"]] = measured
         ratios += [pair["on"] / pair["off"] for pair in arms.values() if len(pair) == 2]
     if not ratios:
         return None
