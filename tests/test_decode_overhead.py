@@ -622,3 +622,16 @@ def test_store_thread_config_is_store_with_the_issuer_thread() -> None:
     assert extra == {**store["kv_connector_extra_config"], "store_thread": True}
     assert parse_config(extra).store_thread
     assert "store_thread" in rep.STORING  # its off batches opt out of stores
+
+
+def test_store_decode_dma_config_is_store_with_decode_steps_on_dma() -> None:
+    from vllm_draft_offload.config import parse_config
+
+    store = decode_configs.connector_config("store", 1.5, 128)
+    routed = decode_configs.connector_config("store_decode_dma", 1.5, 128)
+    assert store is not None and routed is not None
+    extra = routed["kv_connector_extra_config"]
+    assert extra == {**store["kv_connector_extra_config"], "decode_stores_dma": True}
+    assert parse_config(extra).decode_stores_dma
+    assert not parse_config(store["kv_connector_extra_config"]).decode_stores_dma
+    assert "store_decode_dma" in rep.STORING

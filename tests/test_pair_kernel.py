@@ -271,6 +271,34 @@ def test_route_layers_picks_the_pair_kernel_where_it_should(
     assert route_layers(copier, batch, "load") == want
 
 
+@pytest.mark.parametrize("setting", ["kernel", "auto"])
+def test_a_store_routed_to_dma_takes_no_kernel_launch_and_lands_bit_exact(
+    setting: str, monkeypatch: pytest.MonkeyPatch, launches: list[tuple[int, int, int]]
+) -> None:
+    """A batch given path "memcpy" (a decode step's stores under decode_stores_dma) goes
+    whole to the descriptor path, whatever the engine's setting would pick, and its
+    bytes land as the kernel's would; the next batch without it takes the kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = np.random.default_rng(11)
+    rig = Rig.build((4096, 2048), 24, num_slots=5)
+    host_pages = rig.pages([3, 0, 4])
+    src_blocks = [_scattered(rng, len(p), 24) for p in host_pages]
+    expected = fill_random(rig, rng, src_blocks)
+    copier = rig.copier(setting)
+    store = PairBatch.concat([copier.copies.pairs(host_pages, src_blocks)], 2)
+    assert route_layers(copier, store, "store", "memcpy") == [False] * len(rig.regions)
+    assert route_layers(copier, store, "store") == [True] * len(rig.regions)
+    copier.run(store, "store", None, "memcpy")
+    assert launches == []
+    for tensor in rig.device:
+        tensor.zero_()
+    dst_blocks = [_scattered(rng, len(b), 24) for b in src_blocks]
+    load = copier.copies.pairs(host_pages, dst_blocks)
+    copier.run_layers(load, list(range(len(rig.regions))), "load", None)
+    assert_loaded(rig, src_blocks, dst_blocks, expected, 24)
+    assert sum(rows for _, _, rows in launches) == len(rig.regions)  # the load: kernel
+
+
 @pytest.mark.parametrize("to_host", [False, True])
 @pytest.mark.parametrize("tile", [16, 2048, 16 * 1024])
 def test_the_compiled_pair_kernel_moves_16_bytes_per_access(tile: int, to_host: bool) -> None:

@@ -172,6 +172,8 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
     assert summary["raw_disk"]["read_warm_into_memory_GBps"] == {"1": 2.048, "8": 4.096}
     assert summary["raw_disk"]["read_cold_GBps"] == {"1": 1.2}
     assert "ours_l3_restart_strict" not in summary
+    # Against a fresh prompt behind the same writes too (median 0.6).
+    assert restart["busy_ttft_vs_busy_recompute_per_prompt"] == [0.3 / 0.6, 0.6 / 0.6]
     report["configs"]["ours_l3_strict"] = {
         "fresh_s": [0.5], "hit_s": [0.25, 0.3], "hit_cached": [1023, 512],
     }  # fmt: skip
@@ -179,6 +181,72 @@ def test_summary_reports_writes_restarts_and_raw_disk() -> None:
     strict = report["summary"]["ours_l3_restart_strict"]
     assert strict["ttft_vs_recompute_per_prompt"] == [0.5, 0.6]
     assert strict["hit_tokens_per_prompt"] == [1023, 512]
+
+
+def test_each_request_is_set_against_fresh_prompts_of_its_own_condition() -> None:
+    """scheduled_to_first_token_extra_s: a request's time from scheduling to first token
+    minus the median of the fresh prompts' that ran in its condition (quiet ones for hits
+    and short hits, those behind writes for hits behind writes); a request vLLM gave no
+    stats for stays None, and a kind with no fresh prompt beside it is left out."""
+
+    def phase(sched: float | None) -> dict[str, float | None]:
+        return {"ttft_s": 1.0, "waiting_s": 0.0, "scheduled_to_first_token_s": sched}
+
+    phases = {
+        "fresh_s": [phase(0.40), phase(0.50), phase(0.45)],
+        "fresh_busy_s": [phase(0.52), phase(None), phase(0.48)],
+        "hit_s": [phase(0.06), phase(0.47)],
+        "short_hit_s": [phase(0.47), phase(None)],
+        "odd_fresh_s": [phase(0.44)],
+        "busy_hit_s": [phase(0.53)],
+    }
+    extra = restore_report.prefill_extra_s(phases)
+    assert extra == {
+        "hit_s": [pytest.approx(0.06 - 0.45), pytest.approx(0.02)],
+        "short_hit_s": [pytest.approx(0.02), None],
+        "odd_fresh_s": [pytest.approx(-0.01)],
+        "busy_hit_s": [pytest.approx(0.01)],  # the upper median of two, as in the whole report
+    }
+    assert "cpu_hit_s" not in extra
+    assert restore_report.prefill_extra_s({"hit_s": [phase(0.4)]}) == {}
+    result = {
+        "fresh_s": [0.5], "hit_s": [0.2], "hit_cached": [1023],
+        "short_hit_s": [0.49, 0.5], "short_hit_cached": [256, 256], "phases": phases,
+    }  # fmt: skip
+    extras = restore_report.restart_extras(result, 0.5)
+    assert extras["short_hit_tokens_per_prompt"] == [256, 256]
+    assert extras["short_hit_ttft_s_per_prompt"] == [0.49, 0.5]
+    assert extras["scheduled_to_first_token_extra_s"] == extra
+
+
+def test_short_hits_reach_each_engine_and_bad_counts_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--short-hit-chunks is handed to every engine; a count that leaves no chunk to
+    compute, or more reps than the restarts' prompt seeds allow, is refused by name."""
+    refused = [
+        (["--short-hit-chunks", "4", "--tokens", "1024"], "must leave a chunk"),
+        (["--short-hit-chunks", "1", "--reps", "11"], "at most 10 --reps"),
+    ]
+    for bad, why in refused:
+        with pytest.raises(SystemExit):
+            restore_speed.main(["--out", str(tmp_path / "x.json"), *bad])
+        err = capsys.readouterr().err
+        assert "--short-hit-chunks" in err and why in err, err
+    commands: list[list[str]] = []
+
+    def engine(cmd: list[str], env: dict[str, str], timeout_s: float | None):  # noqa: ANN202
+        commands.append(cmd)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(restore_speed, "run_child", engine)
+    with pytest.raises(SystemExit):
+        restore_speed.main(
+            ["--out", str(tmp_path / "y.json"), "--shape", "small", "--configs", "recompute",
+             "--short-hit-chunks", "2", "--l3-dir", str(tmp_path / "l3")]
+        )  # fmt: skip
+    cmd = commands[0]
+    assert cmd[cmd.index("--short-hit-chunks") + 1] == "2"
 
 
 def test_connector_log_keeps_decisions_and_the_tail() -> None:

@@ -64,8 +64,9 @@ def test_a_steps_store_jobs_go_as_one_copy_and_restore_exactly(
     copies: list[tuple[str, int]] = []
     copier = worker.pair_copier
     run = copier.run
-    copier.run = lambda pairs, direction, stream: (
-        copies.append((direction, copier.batch_bytes(pairs)[0])) or run(pairs, direction, stream)
+    copier.run = lambda pairs, direction, stream, path=None: (
+        copies.append((direction, copier.batch_bytes(pairs)[0]))
+        or run(pairs, direction, stream, path)
     )
     prompts = {f"r{i}": prompt(20 + i, 2 * CHUNK + 3) for i in range(3)}
     for req_id, tokens in prompts.items():

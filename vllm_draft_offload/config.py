@@ -184,6 +184,12 @@ class DraftOffloadConfig(BaseModel):
     # session 29: 1.6 s once a 64-request batch, its prefill 1.10 x as long). Off until
     # a GPU run shows it pays.
     store_thread: bool = False
+    # Stores issued in a step that computes no prompt token (decode only) go by DMA
+    # (copy engines), the rest as copy_path says. H200/H100 at 64 requests, 8B shape:
+    # on the pair kernel stores cost decode about 5 % (0.947, 53 pairs) and the prefill
+    # phase nothing (1.005); on DMA decode nothing (1.033, 36 pairs) but the prefill
+    # phase 1.10-1.13 x. Off until a GPU run shows the two halves add up.
+    decode_stores_dma: bool = False
     l3: L3Config = Field(default_factory=L3Config)
     # Mixed into every key: bumping it makes everything stored under another
     # generation unreachable (storage is shared and survives resets and restarts).

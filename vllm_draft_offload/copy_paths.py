@@ -234,11 +234,16 @@ class CopyEngine:
         return None
 
     def run(
-        self, desc: Descriptors, direction: Direction, stream: torch.cuda.Stream | None
+        self,
+        desc: Descriptors,
+        direction: Direction,
+        stream: torch.cuda.Stream | None,
+        path: CopyPath | None = None,
     ) -> list[torch.Tensor]:
-        """Copy a batch: enqueued on ``stream`` (GPU), or done now (``None``: CPU).
-        Returns the tensors to keep alive until the stream passes this point."""
-        return self._run([desc], direction, stream, mark=False)[0]
+        """Copy a batch: enqueued on ``stream`` (GPU), or done now (``None``: CPU), by
+        ``path`` if given, else the engine's. Returns the tensors to keep alive until the
+        stream passes this point."""
+        return self._run([desc], direction, stream, mark=False, path=path)[0]
 
     def run_layers(
         self, descs: Sequence[Descriptors], direction: Direction, stream: torch.cuda.Stream | None
@@ -255,6 +260,7 @@ class CopyEngine:
         direction: Direction,
         stream: torch.cuda.Stream | None,
         mark: bool,
+        path: CopyPath | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.cuda.Event | None]]:
         """Plan and enqueue ``descs`` group by group (``pipeline_groups``), so the GPU
         copies one group while the host plans the next; per layer, an event after its
@@ -263,7 +269,11 @@ class CopyEngine:
         events: list[torch.cuda.Event | None] = [None] * len(descs)
         for group in pipeline_groups(descs, self.piece_descriptors, self.first_piece_descriptors):
             plans = plan_layers(
-                [piece for _, piece, _ in group], direction, self.path, self.tile, self.rules
+                [piece for _, piece, _ in group],
+                direction,
+                path or self.path,
+                self.tile,
+                self.rules,
             )
             kernel_share = Descriptors.concat([plan.kernel for plan in plans])
             if len(kernel_share.sizes):

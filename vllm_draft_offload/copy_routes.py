@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vllm_draft_offload.config import CopyPath
 from vllm_draft_offload.copy_paths import CopyEngine
 from vllm_draft_offload.metric_defs import Direction
 from vllm_draft_offload.page_kernel import ALIGN_BYTES
@@ -72,14 +73,18 @@ def _longest(follows: np.ndarray) -> int:
     return int(np.diff(breaks).max())
 
 
-def route_layers(copier: PairCopier, batch: PairBatch, direction: Direction) -> list[bool]:
-    """Per region: True when the pair kernel moves the whole layer (module docstring)."""
+def route_layers(
+    copier: PairCopier, batch: PairBatch, direction: Direction, path: CopyPath | None = None
+) -> list[bool]:
+    """Per region: True when the pair kernel moves the whole layer (module docstring).
+    ``path``: this batch's path instead of the engine's (``decode_stores_dma``)."""
     engine = copier.engine
     regions = copier.copies.regions
-    if engine.path == "memcpy" or engine.kernel is None or copier.kernel is None:
+    path = path or engine.path
+    if path == "memcpy" or engine.kernel is None or copier.kernel is None:
         return [False] * len(regions)
     picks = list(copier.fits)
-    if engine.path == "kernel":
+    if path == "kernel":
         return picks
     rule = engine.rules[direction]
     count = sum(
@@ -167,16 +172,21 @@ class PairCopier:
         return total, draft
 
     def run(
-        self, batch: PairBatch, direction: Direction, stream: torch.cuda.Stream | None
+        self,
+        batch: PairBatch,
+        direction: Direction,
+        stream: torch.cuda.Stream | None,
+        path: CopyPath | None = None,
     ) -> list[torch.Tensor]:
         """Copy every layer of a batch (a store): enqueued on ``stream``, or done now
-        (None: CPU). Returns the tensors to keep alive until the stream passes."""
+        (None: CPU), by ``path`` if given, else the engine's. Returns the tensors to keep
+        alive until the stream passes."""
         order = self._layer_of_row  # table order: one launch per group
-        keepalive, picks, pairs = self._start(batch, direction, stream)
+        keepalive, picks, pairs = self._start(batch, direction, stream, path)
         legacy = [i for i in range(len(order)) if not picks[i]]
         if legacy:
             descs = self._descriptors(batch, legacy, direction)
-            keepalive += self.engine.run(Descriptors.concat(descs), direction, stream)
+            keepalive += self.engine.run(Descriptors.concat(descs), direction, stream, path)
         for segment in self._segments(batch, order, picks, piece=None):
             self._launch(pairs, batch, segment, direction, stream)
         return keepalive
@@ -258,11 +268,15 @@ class PairCopier:
         return [every[i] for i in layers]
 
     def _start(
-        self, batch: PairBatch, direction: Direction, stream: torch.cuda.Stream | None
+        self,
+        batch: PairBatch,
+        direction: Direction,
+        stream: torch.cuda.Stream | None,
+        path: CopyPath | None = None,
     ) -> tuple[list[torch.Tensor], list[bool], list[torch.Tensor]]:
         """Route the layers; upload every group's pairs (one table each) if any go to
         the pair kernel."""
-        picks = route_layers(self, batch, direction)
+        picks = route_layers(self, batch, direction, path)
         if not any(picks):
             return [], picks, []
         assert self.kernel is not None

@@ -124,6 +124,9 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     # one unit at a time and lower the GIL switch interval meanwhile
     # (WorkerL3.set_reads_waiting).
     l3_reads_waiting: bool = False
+    # The step schedules a prompt token of some request (a prefill, or a preempted
+    # request's recompute): its stores keep copy_path's route (decode_stores_dma).
+    prompt_step: bool = True
     # Overlapped loads the scheduler gave up waiting on (their fetches too slow, or the
     # request aborted): units not landed yet are reported as load errors, not awaited.
     abandon_loads: list[int] = field(default_factory=list)

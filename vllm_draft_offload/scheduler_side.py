@@ -269,6 +269,7 @@ class DraftOffloadScheduler:
             for job in meta.loads
         )
         self._pending_loads, self._pending_finish_stores = [], []
+        meta.prompt_step = self._computes_prompt(scheduler_output.num_scheduled_tokens)
         if self.l3 is not None:
             meta.l3_reads_waiting = self.l3.any_waiting()
             # Overlapped restores whose fetches fell behind: recompute what has not landed.
@@ -314,6 +315,15 @@ class DraftOffloadScheduler:
             meta.l3_cancel_writes = self.l3_writes.take_cancels()
         meta.l3_commit_jobs, meta.l3_abort_jobs = self.outcomes.take_verdicts()
         return meta
+
+    def _computes_prompt(self, num_scheduled_tokens: dict[str, int]) -> bool:
+        """Whether the step computes a prompt token of some request (one it does not
+        track counts as one: its stores then keep copy_path's route)."""
+        for req_id in num_scheduled_tokens:
+            state = self._requests.get(req_id)
+            if state is None or state.request.num_computed_tokens < state.request.num_prompt_tokens:
+                return True
+        return False
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

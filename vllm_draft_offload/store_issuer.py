@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_draft_offload.config import CopyPath
 from vllm_draft_offload.transfers import PairBatch
 from vllm_draft_offload.worker_stores import InflightStore
 
@@ -48,6 +49,8 @@ class StoreBatch:
     stores: list[InflightStore]
     pairs: PairBatch
     ready: torch.Event | None
+    # The copy's route when not copy_path's ("memcpy": a decode step's, decode_stores_dma).
+    path: CopyPath | None = None
 
 
 class StoreIssuer:

@@ -24,7 +24,7 @@ import torch
 
 from vllm_draft_offload.async_loads import AsyncLoads
 from vllm_draft_offload.audit import RecomputeComparer
-from vllm_draft_offload.config import DraftOffloadConfig
+from vllm_draft_offload.config import CopyPath, DraftOffloadConfig
 from vllm_draft_offload.copy_paths import CopyEngine
 from vllm_draft_offload.copy_routes import PairCopier
 from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
@@ -150,6 +150,8 @@ class DraftOffloadWorker(WorkerLoads):
             self._store_stream = torch.cuda.Stream()
         if self.config.store_thread:
             self._issuer = StoreIssuer(self._copy_stores, sample.device)
+        if self.config.decode_stores_dma:
+            logger.info("DraftOffloadConnector: decode steps' stores go by DMA (memcpy)")
         self.comparer = RecomputeComparer(
             layout,
             self.regions,
@@ -224,9 +226,16 @@ class DraftOffloadWorker(WorkerLoads):
                 continue
             parts.append(pairs)
             batch.append(InflightStore(job, None))
-        self._issue_stores(batch, PairBatch.concat(parts, len(self._copies.group_rows)))
+        # A decode step's stores by DMA (decode_stores_dma): on the pair kernel they take
+        # SMs from the decode steps they run beside.
+        path: CopyPath | None = (
+            "memcpy" if self.config.decode_stores_dma and not meta.prompt_step else None
+        )
+        self._issue_stores(batch, PairBatch.concat(parts, len(self._copies.group_rows)), path)
 
-    def _issue_stores(self, stores: list[InflightStore], pairs: PairBatch) -> None:
+    def _issue_stores(
+        self, stores: list[InflightStore], pairs: PairBatch, path: CopyPath | None = None
+    ) -> None:
         """The step's store jobs as one copy: one plan, a kernel launch per KV-cache
         group (or the descriptor path's launch and DMA batch), one pair of events (per
         job they cost a launch's CPU time each, on the engine's critical path). The jobs
@@ -245,7 +254,7 @@ class DraftOffloadWorker(WorkerLoads):
         if self._on_device and total:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-        batch = StoreBatch(stores, pairs, ready)
+        batch = StoreBatch(stores, pairs, ready, path)
         if self._issuer is not None:
             self._issuer.submit(batch)
         else:
@@ -261,7 +270,7 @@ class DraftOffloadWorker(WorkerLoads):
         lead = batch.stores[0]
         if batch.ready is None:
             started = time.perf_counter()
-            self.pair_copier.run(batch.pairs, "store", None)
+            self.pair_copier.run(batch.pairs, "store", None, batch.path)
             lead.host_seconds = time.perf_counter() - started
             return
         stream = self._store_stream
@@ -269,7 +278,7 @@ class DraftOffloadWorker(WorkerLoads):
         stream.wait_event(batch.ready)
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        keepalive = self.pair_copier.run(batch.pairs, "store", stream)
+        keepalive = self.pair_copier.run(batch.pairs, "store", stream, batch.path)
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         lead.start, lead.keepalive = start, keepalive

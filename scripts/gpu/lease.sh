@@ -156,6 +156,12 @@
 #             memcpy in a second engine too), 8 pairs each, hooks timed: decode and the
 #             batches' prefill (paired_prefill) side by side (about 12 min, estimated):
 #             /root/decode_8b_b64_thread.json
+#   decode-8b-b64-phase  decode-overhead at the 8B shape, 64 requests a batch, store (the
+#             default: stores on the pair kernel) and store_decode_dma (decode-only steps'
+#             stores by DMA, the others on the kernel), 12 pairs each, hooks timed: whether
+#             the kernel's prefill (1.005 x, 53 pairs) and DMA's decode (1.033, 36 pairs)
+#             add up, decode and prefill paired (about 8 min, estimated):
+#             /root/decode_8b_b64_phase.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -174,6 +180,14 @@
 #             land in about a quarter of a unit's time), split4+strict (then the 5 %
 #             allowance may suffice: no bets, the bound holds) and strict (about 8 min,
 #             estimated): /root/restore_speed_l3_split.json
+#   l3-short  l3-restart on the defaults with a split4+strict warm restart beside it, and
+#             in each restart per rep a short hit (a prompt whose first chunk is in the CPU
+#             tier, the rest new) and a fresh prompt as long as what it computes: session
+#             30's partial admissions took 14-37 ms longer than declines from scheduling to
+#             first token; whether a hit of one chunk costs that too, every time or only at
+#             an engine's first prefill of that length (scheduled_to_first_token_extra_s;
+#             H200, session 30: l3-split took 8.6 min, this about 9.5, estimated):
+#             /root/restore_speed_l3_short.json
 #   l3-speed-spread  l3-speed, 32 units, 4, 8 and 12 threads, warm and cold: the default
 #             path against spread reads and units split over 4 threads (threads_per_unit)
 #             outside an engine, with each one's first landing
@@ -414,6 +428,9 @@ declare -A CMD=(
       vllm-draft-offload decode-overhead --shape llama8b --configs store_thread \
       --copy-path memcpy --reps 8 --batch 64 --turn-prompts 0 --time-hooks \
       --engine-timeout 600 --out /root/decode_8b_b64_thread_dma.json"
+  [decode-8b-b64-phase]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store,store_decode_dma --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
+      --engine-timeout 600 --out /root/decode_8b_b64_phase.json"
   [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \
       --out /root/restore_speed_l3_reads12.json; rm -rf /root/l3r3"
@@ -426,6 +443,9 @@ declare -A CMD=(
   [l3-split]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants split4,split4+strict,strict --raw-threads 12 --l3-dir /root/l3r6 \
       --drop-caches --out /root/restore_speed_l3_split.json; rm -rf /root/l3r6"
+  [l3-short]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
+      --l3-variants split4+strict --short-hit-chunks 1 --raw-threads 12 --l3-dir /root/l3r7 \
+      --drop-caches --out /root/restore_speed_l3_short.json; rm -rf /root/l3r7"
   [l3-speed-spread]="vllm-draft-offload l3-speed --url fs:///root/l3-speed --threads 4,8,12 \
       --units 32 --modes warm,cold --drop-caches --out /root/l3_speed.json; rm -rf /root/l3-speed"
   [pinned-read]="python3 scripts/gpu/pinned_read.py; rm -rf /root/pr"

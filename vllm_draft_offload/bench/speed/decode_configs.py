@@ -7,7 +7,17 @@ from typing import Any
 
 from vllm_draft_offload.bench.kv_configs import native_offloading_config
 
-CONFIGS = ("none", "idle", "store", "null", "native", "store_dma", "store_kernel", "store_thread")
+CONFIGS = (
+    "none",
+    "idle",
+    "store",
+    "null",
+    "native",
+    "store_dma",
+    "store_kernel",
+    "store_thread",
+    "store_decode_dma",
+)
 # `store` with its copies forced onto one path (copy_path memcpy or kernel), so one run
 # shows side by side what each path's stores cost decode (session 15, H100, 8B shape:
 # `store` under copy_path auto, which sends copies up to 256 KiB to the page kernel,
@@ -17,7 +27,13 @@ FORCED_COPY_PATH = {"store_dma": "memcpy", "store_kernel": "kernel"}
 # of their own (store_issuer.py): whether DMA stores then stop costing the batches'
 # prefill (H200, 64 requests: 1.10 x in session 29, 1.13 x in session 28, with the copy
 # call on the engine's thread).
-EXTRA_SETTINGS: dict[str, dict[str, Any]] = {"store_thread": {"store_thread": True}}
+# store_decode_dma sends a decode-only step's stores to DMA and keeps the others on
+# copy_path's route: pooled 64-request runs (sessions 25-29) had the kernel cost decode
+# (0.947) and DMA the prefill phase (1.13 x), each nothing in the other phase.
+EXTRA_SETTINGS: dict[str, dict[str, Any]] = {
+    "store_thread": {"store_thread": True},
+    "store_decode_dma": {"decode_stores_dma": True},
+}
 
 
 def connector_config(

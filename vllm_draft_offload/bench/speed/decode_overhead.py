@@ -25,7 +25,9 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
   each path's stores cost decode, side by side (``store_dma_vs_none``,
   ``store_kernel_vs_none``);
 * ``store_thread``: ``store`` with ``store_thread`` on, the store copies issued on a
-  thread of their own.
+  thread of their own;
+* ``store_decode_dma``: ``store`` with ``decode_stores_dma`` on: a decode-only step's
+  stores by DMA, a step's with prompt tokens as ``copy_path`` says.
 
 Besides decode tokens/s, each pair gives its batches' prefill seconds, storing over
 opting out (``paired_prefill``; the table's ``prefill_on_vs_off``): a batch's wall time

@@ -183,6 +183,14 @@ def main(argv: list[str] | None = None) -> None:
         "long prefill; below --chunk-size: nothing stored or looked up, the session-14 form)",
     )
     parser.add_argument(
+        "--short-hit-chunks",
+        type=int,
+        default=0,
+        help="each warm restart also times, per rep, a prompt whose first this many chunks "
+        "are in the CPU tier and the rest new, and a fresh prompt as long as what it "
+        "computes (short_hit_s, odd_fresh_s; default 0: not run)",
+    )
+    parser.add_argument(
         "--raw-gib", type=float, default=4.0, help="size of the raw disk baseline file"
     )
     parser.add_argument("--raw-threads", default="1,4", help="thread counts of the raw reads")
@@ -201,6 +209,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--l3-variants: {e}")
     if variants and "ours_l3" not in args.configs.split(","):
         parser.error("--l3-variants: they restart from ours_l3's units; add ours_l3 to --configs")
+    if args.short_hit_chunks and not 0 < args.short_hit_chunks < args.tokens // args.chunk_size:
+        parser.error(
+            f"--short-hit-chunks: {args.short_hit_chunks} must leave a chunk to compute "
+            f"(1 to {args.tokens // args.chunk_size - 1} at --tokens {args.tokens})"
+        )
+    if args.short_hit_chunks and args.reps > 10:
+        # The short hits' new prompts take 20 seeds after each restart's fresh ones.
+        parser.error("--short-hit-chunks: at most 10 --reps (each restart has 100 prompt seeds)")
     if args.child:
         Path(args.child).write_text(json.dumps(run_config(args)))
         return
@@ -333,6 +349,7 @@ def run_shape(
             ("--l3-hit-policy", getattr(args, "l3_hit_policy", None)),
             ("--copy-path", args.copy_path),
             ("--restart-warmup-tokens", args.restart_warmup_tokens),
+            ("--short-hit-chunks", args.short_hit_chunks),
         ):
             if value:
                 cmd += [flag, str(value)]

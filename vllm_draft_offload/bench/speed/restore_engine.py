@@ -223,11 +223,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("GPU prefix cache never emptied: stores did not complete")
 
     def writes_expected() -> int:
-        """Units the fresh prompts so far, the restart's warm-up included, hand to
-        storage (whole chunks of each)."""
+        """Units the fresh prompts so far, the restart's warm-up and the short hits'
+        computed chunks included, hand to storage (whole chunks of each)."""
         prompts = len(results["fresh_s"]) + len(results.get("fresh_busy_s", []))
         warmup_units = results.get("warmup_tokens", 0) // args.chunk_size
-        return prompts * (args.tokens // args.chunk_size) + warmup_units
+        return prompts * (args.tokens // args.chunk_size) + warmup_units + short_units[0]
+
+    short_units = [0]  # computed (so stored and written) by the short hits and controls
 
     def settle_writes(timeout_s: float = 60.0) -> None:
         """Until every unit of the fresh prompts so far is written (or dropped or
@@ -243,8 +245,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
                 return
             time.sleep(0.05)
 
-    def fresh(seed: int, into: str) -> None:
-        results.setdefault(into, []).append(timed(prompt(seed), label=into)[0])
+    def fresh(seed: int, into: str, tokens: int | None = None) -> None:
+        results.setdefault(into, []).append(timed(prompt(seed, tokens), label=into)[0])
 
     def hit(
         rep: int, into: dict[str, list], prefix: str = "", stores: tuple[float, float] | None = None
@@ -259,6 +261,22 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         )
         into.setdefault(f"{prefix}hit_s", []).append(hit_s)
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
+
+    def short_hit(rep: int, chunks: int, fresh_seed: int) -> None:
+        """A prompt whose first `chunks` chunks are prompt `rep`'s (in the CPU tier, not
+        in the GPU cache) and whose other chunks are new (``short_hit_s``), then a fresh
+        prompt as long as what that hit computes (``odd_fresh_s``): does a hit of a few
+        chunks cost its prefill more than it saves, and does only an engine's first
+        prefill of a new length (session 14: 27 ms for the first 16k one)?"""
+        empty_gpu_cache()
+        kept = chunks * args.chunk_size
+        head = prompt(rep)["prompt_token_ids"][:kept]
+        tail = prompt(fresh_seed + 80 + rep)["prompt_token_ids"][kept:]
+        hit_s, cached = timed(TokensPrompt(prompt_token_ids=head + tail), label="short_hit_s")
+        results.setdefault("short_hit_s", []).append(hit_s)
+        results.setdefault("short_hit_cached", []).append(cached)
+        fresh(fresh_seed + 90 + rep, "odd_fresh_s", args.tokens - kept)
+        short_units[0] += 2 * ((args.tokens - kept) // args.chunk_size)
 
     if is_restart(args.config):
         # Prompts neither the fill engine nor another restart wrote to storage.
@@ -276,6 +294,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             settle_writes()
             hit(rep, results)  # from L3: this engine's CPU tier starts empty
             hit(rep, results, "cpu_")
+            if getattr(args, "short_hit_chunks", 0):
+                short_hit(rep, args.short_hit_chunks, fresh_seed)
             settle_writes()
             fresh(fresh_seed + rep, "fresh_s")
             fresh(fresh_seed + 50 + rep, "fresh_busy_s")
