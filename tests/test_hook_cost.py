@@ -12,8 +12,13 @@ from vllm_draft_offload.bench.speed import hook_cost as hc
 from vllm_draft_offload.bench.speed import hook_report
 
 
-def test_a_tiny_batch_decodes_with_spec_tokens_and_only_store_stores(tmp_path: Path) -> None:
+def test_a_tiny_batch_decodes_with_spec_tokens_and_only_store_stores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "hook_cost.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(hc.tempfile, "tempdir", str(scratch))
     # 2 requests of 64 + 70 tokens, chunks of 32: two prompt chunks each, stored in the
     # prefill step, then the decode chunks ending at 96 and 128.
     hc.main(
@@ -21,6 +26,7 @@ def test_a_tiny_batch_decodes_with_spec_tokens_and_only_store_stores(tmp_path: P
          "--decode-tokens", "70", "--chunk-size", "32", "--cpu-gib", "0.01", "--reps", "1"]
     )  # fmt: skip
     report = json.loads(out.read_text())
+    assert list(scratch.glob("hook-cost-*")) == []  # the engines' work directory is gone
     none, idle, store = (report["configs"][c][0] for c in ("none", "idle", "store"))
     # 69 tokens after the first, 4 a step (3 drafts, all accepted, and the bonus token).
     assert none["decode_steps"] == idle["decode_steps"] == store["decode_steps"] == 18

@@ -490,11 +490,15 @@ def test_the_output_is_rewritten_after_every_engine_and_a_hung_engine_is_cut_off
 
     monkeypatch.setattr(restore_speed, "run_child", engine)
     monkeypatch.setattr(restore_speed, "summarize", lambda report: report.setdefault("summary", {}))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(restore_speed.tempfile, "tempdir", str(scratch))
     restore_speed.main(
         ["--out", str(out), "--shape", "small", "--configs", "recompute,native",
          "--engine-timeout", "5", "--l3-dir", str(tmp_path / "l3")]
     )  # fmt: skip
     final = json.loads(out.read_text())
+    assert list(scratch.glob("restore-speed-*")) == []  # the run's work directory is gone
     assert final["complete"] is True
     assert final["configs"]["recompute"]["hit_s"] == [0.5]
     assert final["configs"]["native"]["error"].startswith("timeout after 5")

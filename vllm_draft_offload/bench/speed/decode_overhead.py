@@ -303,18 +303,19 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')}: at least 0")
 
-    work = Path(tempfile.mkdtemp(prefix="decode-overhead-"))
     out_path = Path(args.out)
     reports: dict[str, Any] = {}
-    for name in shapes:
-        reports[name] = run_shape(
-            args,
-            name,
-            work / name,
-            checkpoint=lambda partial, name=name: write_out(
-                out_path, {**reports, name: partial}, complete=False
-            ),
-        )
+    # The engines' model configs and results: removed at the end.
+    with tempfile.TemporaryDirectory(prefix="decode-overhead-") as work:
+        for name in shapes:
+            reports[name] = run_shape(
+                args,
+                name,
+                Path(work) / name,
+                checkpoint=lambda partial, name=name: write_out(
+                    out_path, {**reports, name: partial}, complete=False
+                ),
+            )
     out = write_out(out_path, reports, complete=True)
     print(json.dumps(out["table"], indent=1), flush=True)
 

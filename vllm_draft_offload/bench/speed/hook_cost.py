@@ -106,21 +106,22 @@ def main(argv: list[str] | None = None) -> None:
     # connector's memmoves only), so vLLM's CPU kernel library is not needed.
     for key, value in CPU_ENV.items():
         os.environ.setdefault(key, value)
-    work = Path(tempfile.mkdtemp(prefix="hook-cost-"))
     report: dict[str, Any] = {"args": vars(args), "configs": {c: [] for c in CONFIGS}}
-    for rep in range(args.reps):
-        for config in CONFIGS:
-            engine = Engine(args, config, work)
-            profiler = cProfile.Profile() if args.profile and rep == 0 else None
-            if profiler is not None:
-                profiler.enable()
-            engine.run(args)
-            if profiler is not None:
-                profiler.disable()
-                Path(args.profile).mkdir(parents=True, exist_ok=True)
-                profiler.dump_stats(Path(args.profile) / f"{config}.prof")
-            report["configs"][config].append(summarize(engine.clock.steps))
-            del engine  # its KV and host pool, before the next engine allocates its own
+    with tempfile.TemporaryDirectory(prefix="hook-cost-") as tmp:  # removed at the end
+        work = Path(tmp)
+        for rep in range(args.reps):
+            for config in CONFIGS:
+                engine = Engine(args, config, work)
+                profiler = cProfile.Profile() if args.profile and rep == 0 else None
+                if profiler is not None:
+                    profiler.enable()
+                engine.run(args)
+                if profiler is not None:
+                    profiler.disable()
+                    Path(args.profile).mkdir(parents=True, exist_ok=True)
+                    profiler.dump_stats(Path(args.profile) / f"{config}.prof")
+                report["configs"][config].append(summarize(engine.clock.steps))
+                del engine  # its KV and host pool, before the next engine allocates its own
     report["summary"] = compare(report["configs"])
     print(json.dumps(report["summary"]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -225,9 +225,15 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or len(set(shapes)) != len(shapes):
         parser.error(f"--shape: give distinct names of {', '.join(sorted(SHAPES))}")
 
+    # The engines' model configs and results, and the L3 directory unless --l3-dir names
+    # one: removed at the end, or every run left gigabytes of units in /tmp.
+    with tempfile.TemporaryDirectory(prefix="restore-speed-") as work:
+        run_shapes(args, shapes, Path(work))
+
+
+def run_shapes(args: argparse.Namespace, shapes: list[str], work: Path) -> None:
     import torch
 
-    work = Path(tempfile.mkdtemp(prefix="restore-speed-"))
     cuda = torch.cuda.is_available()
     # The limits, once per run: every shape's ratios use the same figures.
     common: dict[str, Any] = {
