@@ -612,26 +612,20 @@ def test_prefill_pairs_time_what_stores_add_before_decoding() -> None:
     assert rep.prefill_s({"wall_s": 1.0, "decode_s": 2.0}) is None
 
 
-def test_store_thread_config_is_store_with_the_issuer_thread() -> None:
+@pytest.mark.parametrize(
+    ("config", "setting"),
+    [("store_thread", "store_thread"), ("store_decode_dma", "decode_stores_dma")],
+)
+def test_a_store_variant_is_store_with_its_setting_on(config: str, setting: str) -> None:
+    """store_thread: the issuer thread; store_decode_dma: decode steps' stores by DMA.
+    Each is `store` with that one setting on, and its off batches opt out of stores."""
     from vllm_draft_offload.config import parse_config
 
     store = decode_configs.connector_config("store", 1.5, 128)
-    threaded = decode_configs.connector_config("store_thread", 1.5, 128)
-    assert store is not None and threaded is not None
-    extra = threaded["kv_connector_extra_config"]
-    assert extra == {**store["kv_connector_extra_config"], "store_thread": True}
-    assert parse_config(extra).store_thread
-    assert "store_thread" in rep.STORING  # its off batches opt out of stores
-
-
-def test_store_decode_dma_config_is_store_with_decode_steps_on_dma() -> None:
-    from vllm_draft_offload.config import parse_config
-
-    store = decode_configs.connector_config("store", 1.5, 128)
-    routed = decode_configs.connector_config("store_decode_dma", 1.5, 128)
-    assert store is not None and routed is not None
-    extra = routed["kv_connector_extra_config"]
-    assert extra == {**store["kv_connector_extra_config"], "decode_stores_dma": True}
-    assert parse_config(extra).decode_stores_dma
-    assert not parse_config(store["kv_connector_extra_config"]).decode_stores_dma
-    assert "store_decode_dma" in rep.STORING
+    variant = decode_configs.connector_config(config, 1.5, 128)
+    assert store is not None and variant is not None
+    extra = variant["kv_connector_extra_config"]
+    assert extra == {**store["kv_connector_extra_config"], setting: True}
+    assert getattr(parse_config(extra), setting)
+    assert not getattr(parse_config(store["kv_connector_extra_config"]), setting)
+    assert config in rep.STORING
