@@ -267,13 +267,11 @@ class CopyEngine:
         last group (when ``mark``)."""
         keepalive: list[torch.Tensor] = []
         events: list[torch.cuda.Event | None] = [None] * len(descs)
+        # A batch's own path, unless the kernel cannot run here (then memcpy, as set).
+        path = self.path if path is None or self.kernel is None else path
         for group in pipeline_groups(descs, self.piece_descriptors, self.first_piece_descriptors):
             plans = plan_layers(
-                [piece for _, piece, _ in group],
-                direction,
-                path or self.path,
-                self.tile,
-                self.rules,
+                [piece for _, piece, _ in group], direction, path, self.tile, self.rules
             )
             kernel_share = Descriptors.concat([plan.kernel for plan in plans])
             if len(kernel_share.sizes):
