@@ -23,7 +23,7 @@ import xxhash
 
 from vllm_draft_offload import fast_io
 from vllm_draft_offload.l3_backends import CorruptObject
-from vllm_draft_offload.l3_fs_reads import DeadlineExceeded, ObjectFile
+from vllm_draft_offload.l3_fs_reads import DeadlineExceeded, ObjectFile, ReadStopped
 
 # Sizes around XXH3's internal boundaries (16, 128, 240 bytes; its 1 KiB stripes' blocks)
 # and a piece size that divides none of the larger ones.
@@ -132,6 +132,76 @@ def test_a_passed_deadline_writes_nothing(reader: str, data_file: tuple[int, byt
         fast_io.pread_hash_into(fd, OFFSET, memoryview(dest), 4096, time.monotonic() - 0.001)
     assert exc.value.args[0] == 0
     assert dest == b"\xaa" * 10_000
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_set_stop_flag_writes_nothing(
+    reader: str, data_file: tuple[int, bytes], threads: int
+) -> None:
+    """A stop flag set before the call: Stopped(0) from either read, every group of a
+    layered read on threads too, and nothing written; a flag left at 0 changes nothing."""
+    fd, data = data_file
+    quarter = len(data) // 4
+    sizes = [quarter, quarter, quarter, len(data) - 3 * quarter]
+    threads = threads if reader == "native" else 1
+    for stop_at in (b"\x01", b"\xff\x00"):
+        untouched = bytearray(b"\xaa" * len(data))
+        with pytest.raises(fast_io.Stopped) as whole:
+            fast_io.pread_hash_into(
+                fd, OFFSET, memoryview(untouched), 4096, LATER, bytearray(stop_at)
+            )
+        assert whole.value.args[0] == 0
+        with pytest.raises(fast_io.Stopped) as layered:
+            fast_io.pread_hash_layers_into(
+                fd, OFFSET, memoryview(untouched), sizes, 4096, LATER, threads, bytearray(stop_at)
+            )
+        assert layered.value.args[0] == 0 and untouched == b"\xaa" * len(data)
+    dest = bytearray(len(data))
+    assert fast_io.pread_hash_into(fd, OFFSET, memoryview(dest), 4096, LATER, bytearray(1)) == (
+        xxhash.xxh3_128(data).digest()
+    )
+    assert dest == data
+    with pytest.raises(ValueError, match="stop must be a buffer of at least one byte"):
+        fast_io.pread_hash_into(fd, OFFSET, memoryview(dest), 4096, LATER, bytearray())
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_stop_flag_set_during_a_read_stops_it_within_a_piece(
+    reader: str, tmp_path: Path, threads: int
+) -> None:
+    """Set from another thread while a long read runs (64 MiB of a sparse file in 4 KiB
+    pieces, several thousand reads): the read raises Stopped with less than the whole
+    destination filled, the bytes up to it in place."""
+    path = tmp_path / "sparse"
+    size = 64 << 20
+    with open(path, "wb") as f:
+        f.truncate(size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        threads = threads if reader == "native" else 1
+        dest = bytearray(b"\xaa" * size)
+        stop = bytearray(1)
+        timer = threading.Timer(0.002, lambda: stop.__setitem__(0, 1))
+        timer.start()
+        try:
+            with pytest.raises(fast_io.Stopped) as stopped:
+                fast_io.pread_hash_layers_into(
+                    fd,
+                    0,
+                    memoryview(dest),
+                    [size // 3, size // 3, size - 2 * (size // 3)],
+                    4096,
+                    LATER,
+                    threads,
+                    stop,
+                )
+        finally:
+            timer.join()
+        done = stopped.value.args[0]
+        assert 0 <= done < size
+        assert dest[:done] == bytes(done)  # what landed before the stop is the file's
+    finally:
+        os.close(fd)
 
 
 def test_a_bad_descriptor_is_an_os_error(reader: str, tmp_path: Path) -> None:
@@ -337,6 +407,15 @@ def test_object_file_turns_them_into_storage_errors(
     late = ObjectFile(fd, OFFSET, size, time.monotonic() - 0.001)
     with pytest.raises(DeadlineExceeded, match="at object byte 7"):
         late.readinto_hashed(7, memoryview(dest)[:100], 4096)
+    # A stop flag set (a fetch given up): every read stops, as ReadStopped.
+    stopped = ObjectFile(fd, OFFSET, size, LATER)
+    stopped.stop = bytearray(b"\x01")
+    with pytest.raises(ReadStopped, match="at object byte 9"):
+        stopped.readinto_hashed(9, memoryview(dest)[:100], 4096)
+    with pytest.raises(ReadStopped, match="at object byte 9"):
+        stopped.readinto_layers_hashed(9, memoryview(dest)[:100], [50, 50], 4096)
+    with pytest.raises(ReadStopped, match="at object byte 9"):
+        stopped.readinto(9, memoryview(dest)[:100])
 
 
 def _counted_during(call: Callable[[], object]) -> float:

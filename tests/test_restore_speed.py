@@ -503,3 +503,49 @@ def test_the_output_is_rewritten_after_every_engine_and_a_hung_engine_is_cut_off
     assert final["configs"]["recompute"]["hit_s"] == [0.5]
     assert final["configs"]["native"]["error"].startswith("timeout after 5")
     assert final["table"][0]["shape"] == "small"
+
+
+RESTART_SCRIPT = """
+import sys
+from vllm_draft_offload.bench.accept.engine import prepare_cpu_platform
+prepare_cpu_platform()
+from vllm_draft_offload.bench.speed import restore
+restore.main(sys.argv[1:])
+"""
+
+
+def test_a_restart_with_short_hits_runs_in_a_cpu_engine(tmp_path: Path) -> None:
+    """restore-speed's fill engine and a warm restart with --short-hit-chunks, as the GPU
+    runs them (child processes, real vLLM engines, fs:// storage), at a CPU's size: the
+    short hit takes its one chunk from the CPU tier, its control is as long as what it
+    computed, and every write the restart expects lands (no settle timed out: the short
+    hits' units are counted)."""
+    import subprocess
+    import sys
+
+    target, draft = shapes.SHAPES["small"]
+    tiny = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8}
+    t = shapes.write_config(tmp_path / "t", {**target, **tiny, "num_hidden_layers": 2}, 1024)
+    d = shapes.write_config(tmp_path / "d", {**draft, **tiny, "num_hidden_layers": 1}, 1024)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    results = {}
+    for config in ("ours_l3_fill", "ours_l3"):
+        out = tmp_path / f"{config}.json"
+        proc = subprocess.run(
+            [sys.executable, "-c", RESTART_SCRIPT, "--out", str(tmp_path / "unused.json"),
+             "--child", str(out), "--target", t, "--draft", d, "--config", config,
+             "--tokens", "512", "--chunk-size", "128", "--reps", "1", "--cpu-gib", "1",
+             "--l3-dir", str(tmp_path / "l3"), "--enforce-eager", "--short-hit-chunks", "1"],
+            capture_output=True, text=True, timeout=900, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+        results[config] = json.loads(out.read_text())
+    fill, restart = results["ours_l3_fill"], results["ours_l3"]
+    assert fill["l3_files"] == fill["units_expected"] == 3 * 4  # 2 prompts and a warm-up
+    assert restart["short_hit_cached"] == [128]  # vLLM's CPU block, the chunk here
+    assert len(restart["short_hit_s"]) == len(restart["odd_fresh_s"]) == 1
+    assert "settle_timeouts" not in restart, restart
+    phases = restart["phases"]
+    assert len(phases["short_hit_s"]) == len(phases["odd_fresh_s"]) == 1
+    extra = restore_report.restart_extras(restart, None)["scheduled_to_first_token_extra_s"]
+    assert set(extra) >= {"short_hit_s", "odd_fresh_s", "hit_s"}

@@ -24,6 +24,10 @@
  *   DeadlinePassed(done)  CLOCK_MONOTONIC (time.monotonic on Linux) passed the deadline
  *                         before the piece at `done`; checked before every piece, so
  *                         nothing is written into the destination after it raised;
+ *   Stopped(done)         the caller's stop flag (the first byte of a buffer it passed,
+ *                         set non-zero from another thread) was set before the piece at
+ *                         `done`, checked as the deadline is: a fetch given up stops its
+ *                         reads in flight within a piece instead of reading the unit out;
  *   OSError               any other failed pread (EINTR is retried).
  *
  * A storage lookup (l3_store) asks of many stored files whether they exist and, for the
@@ -65,8 +69,28 @@ static unsigned long long gil_releases_so_far = 0;
 
 static PyObject *EndOfFile;
 static PyObject *DeadlinePassed;
+static PyObject *Stopped;
 
-enum outcome { DONE = 0, ENDED, LATE, FAILED };
+enum outcome { DONE = 0, ENDED, LATE, FAILED, STOPPED };
+
+/* The stop flag of a read: the first byte of `obj`'s buffer (None or NULL: no flag).
+   Returns 0 with *flag set (NULL without one; `view` then holds nothing to release),
+   or -1 with an exception set. */
+static int stop_flag(PyObject *obj, Py_buffer *view, const volatile unsigned char **flag) {
+    *flag = NULL;
+    view->obj = NULL;
+    if (obj == NULL || obj == Py_None)
+        return 0;
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (view->len < 1) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "stop must be a buffer of at least one byte");
+        return -1;
+    }
+    *flag = (const volatile unsigned char *)view->buf;
+    return 0;
+}
 
 static double monotonic_now(void) {
     struct timespec ts;
@@ -87,7 +111,10 @@ static PyObject *raise_outcome(enum outcome outcome, Py_ssize_t done, int err) {
     }
     PyObject *filled = PyLong_FromSsize_t(done);
     if (filled != NULL) {
-        PyErr_SetObject(outcome == ENDED ? EndOfFile : DeadlinePassed, filled);
+        PyErr_SetObject(outcome == ENDED     ? EndOfFile
+                        : outcome == STOPPED ? Stopped
+                                             : DeadlinePassed,
+                        filled);
         Py_DECREF(filled);
     }
     return NULL;
@@ -113,12 +140,16 @@ static void hash_layer_parts(const char *out, Py_ssize_t done, Py_ssize_t end,
    *done: the bytes filled; *err: errno of a FAILED read. */
 static enum outcome pread_hash_pieces(int fd, long long file_offset, char *out,
                                       Py_ssize_t nbytes, Py_ssize_t piece_bytes,
-                                      double deadline, XXH3_state_t *whole,
-                                      XXH3_state_t *layers, const Py_ssize_t *ends,
-                                      Py_ssize_t *done_out, int *err) {
+                                      double deadline, const volatile unsigned char *stop,
+                                      XXH3_state_t *whole, XXH3_state_t *layers,
+                                      const Py_ssize_t *ends, Py_ssize_t *done_out, int *err) {
     Py_ssize_t done = 0, layer = 0;
     enum outcome outcome = DONE;
     while (done < nbytes) {
+        if (stop != NULL && *stop) {
+            outcome = STOPPED;
+            break;
+        }
         if (monotonic_now() > deadline) {
             outcome = LATE;
             break;
@@ -154,11 +185,12 @@ static enum outcome pread_hash_pieces(int fd, long long file_offset, char *out,
 }
 
 PyDoc_STRVAR(pread_hash_into_doc,
-"pread_hash_into(fd, file_offset, dest, piece_bytes, deadline) -> bytes\n\n"
+"pread_hash_into(fd, file_offset, dest, piece_bytes, deadline, stop=None) -> bytes\n\n"
 "Fill dest with fd's bytes from file_offset, piece_bytes at a time, hashing each piece\n"
 "right after it landed; returns the 16-byte XXH3-128 digest of dest. Raises\n"
 "EndOfFile(done) or DeadlinePassed(done) (checked before each piece against\n"
-"time.monotonic) or OSError. The GIL is released for the whole call.");
+"time.monotonic), Stopped(done) (stop's first byte non-zero before a piece; stop: a\n"
+"buffer another thread sets) or OSError. The GIL is released for the whole call.");
 
 static PyObject *pread_hash_into(PyObject *self, PyObject *args) {
     int fd;
@@ -166,12 +198,19 @@ static PyObject *pread_hash_into(PyObject *self, PyObject *args) {
     Py_buffer dest;
     Py_ssize_t piece_bytes;
     double deadline;
-    if (!PyArg_ParseTuple(args, "iLw*nd:pread_hash_into", &fd, &file_offset, &dest,
-                          &piece_bytes, &deadline))
+    PyObject *stop_obj = NULL;
+    if (!PyArg_ParseTuple(args, "iLw*nd|O:pread_hash_into", &fd, &file_offset, &dest,
+                          &piece_bytes, &deadline, &stop_obj))
         return NULL;
     if (piece_bytes <= 0 || file_offset < 0) {
         PyBuffer_Release(&dest);
         PyErr_SetString(PyExc_ValueError, "piece_bytes must be > 0 and file_offset >= 0");
+        return NULL;
+    }
+    Py_buffer stop_view;
+    const volatile unsigned char *stop;
+    if (stop_flag(stop_obj, &stop_view, &stop) < 0) {
+        PyBuffer_Release(&dest);
         return NULL;
     }
     XXH3_state_t state;
@@ -181,8 +220,10 @@ static PyObject *pread_hash_into(PyObject *self, PyObject *args) {
     int err = 0;
     BEGIN_WITHOUT_GIL
     outcome = pread_hash_pieces(fd, file_offset, dest.buf, dest.len, piece_bytes, deadline,
-                                &state, NULL, NULL, &done, &err);
+                                stop, &state, NULL, NULL, &done, &err);
     Py_END_ALLOW_THREADS
+    if (stop_view.obj != NULL)
+        PyBuffer_Release(&stop_view);
     PyBuffer_Release(&dest);
     if (outcome != DONE)
         return raise_outcome(outcome, done, err);
@@ -394,6 +435,7 @@ struct layer_group {
     char *out;
     Py_ssize_t begin, end, piece_bytes;
     double deadline;
+    const volatile unsigned char *stop;
     XXH3_state_t *layers;
     Py_ssize_t *ends;
     enum outcome outcome;
@@ -404,8 +446,8 @@ struct layer_group {
 static void *read_layer_group(void *arg) {
     struct layer_group *g = arg;
     g->outcome = pread_hash_pieces(g->fd, g->file_offset + g->begin, g->out + g->begin,
-                                   g->end - g->begin, g->piece_bytes, g->deadline, NULL,
-                                   g->layers, g->ends, &g->done, &g->err);
+                                   g->end - g->begin, g->piece_bytes, g->deadline, g->stop,
+                                   NULL, g->layers, g->ends, &g->done, &g->err);
     return NULL;
 }
 
@@ -437,12 +479,13 @@ static Py_ssize_t split_layers(const Py_ssize_t *ends, Py_ssize_t count, Py_ssiz
    filled bytes from dest's start (other groups may have filled bytes past it). */
 static enum outcome pread_hash_layer_groups(int fd, long long file_offset, char *out,
                                             Py_ssize_t nbytes, Py_ssize_t piece_bytes,
-                                            double deadline, XXH3_state_t *layers,
-                                            const Py_ssize_t *ends, Py_ssize_t count,
-                                            int threads, Py_ssize_t *done, int *err) {
+                                            double deadline, const volatile unsigned char *stop,
+                                            XXH3_state_t *layers, const Py_ssize_t *ends,
+                                            Py_ssize_t count, int threads, Py_ssize_t *done,
+                                            int *err) {
     if (threads <= 1 || count <= 1)
-        return pread_hash_pieces(fd, file_offset, out, nbytes, piece_bytes, deadline, NULL,
-                                 layers, ends, done, err);
+        return pread_hash_pieces(fd, file_offset, out, nbytes, piece_bytes, deadline, stop,
+                                 NULL, layers, ends, done, err);
     Py_ssize_t first[MAX_READ_THREADS], begins[MAX_READ_THREADS], stops[MAX_READ_THREADS];
     Py_ssize_t groups = split_layers(ends, count, nbytes, threads, first, begins, stops);
     struct layer_group group[MAX_READ_THREADS];
@@ -450,16 +493,25 @@ static enum outcome pread_hash_layer_groups(int fd, long long file_offset, char 
     int started[MAX_READ_THREADS] = {0};
     Py_ssize_t *relative = malloc((size_t)count * sizeof(*relative));
     if (relative == NULL) /* no memory for the split: read it on this thread alone */
-        return pread_hash_pieces(fd, file_offset, out, nbytes, piece_bytes, deadline, NULL,
-                                 layers, ends, done, err);
+        return pread_hash_pieces(fd, file_offset, out, nbytes, piece_bytes, deadline, stop,
+                                 NULL, layers, ends, done, err);
     for (Py_ssize_t g = 0; g < groups; g++) {
         Py_ssize_t last = g + 1 < groups ? first[g + 1] : count;
         for (Py_ssize_t i = first[g]; i < last; i++)
             relative[i] = ends[i] - begins[g];
-        group[g] = (struct layer_group){fd,          file_offset,    out,
-                                        begins[g],   stops[g],       piece_bytes,
-                                        deadline,    layers + first[g], relative + first[g],
-                                        DONE,        0,              0};
+        group[g] = (struct layer_group){fd,
+                                        file_offset,
+                                        out,
+                                        begins[g],
+                                        stops[g],
+                                        piece_bytes,
+                                        deadline,
+                                        stop,
+                                        layers + first[g],
+                                        relative + first[g],
+                                        DONE,
+                                        0,
+                                        0};
     }
     /* Groups 1.. on threads of their own, group 0 here; a thread that cannot be made
        reads its group here too, after. */
@@ -486,14 +538,15 @@ static enum outcome pread_hash_layer_groups(int fd, long long file_offset, char 
 
 PyDoc_STRVAR(pread_hash_layers_into_doc,
 "pread_hash_layers_into(fd, file_offset, dest, layer_sizes, piece_bytes, deadline,\n"
-"                       threads=1) -> list[bytes]\n\n"
+"                       threads=1, stop=None) -> list[bytes]\n\n"
 "Fill dest with fd's bytes from file_offset, piece_bytes at a time, hashing each piece\n"
 "right after it landed into each layer it overlaps (layers: back-to-back byte ranges of\n"
 "layer_sizes bytes, in order, covering dest); returns the 16-byte XXH3-128 digest of\n"
 "each layer. threads > 1: the layers are split into up to that many groups of whole\n"
 "layers of about equal bytes, each read on a thread of its own (the caller's among them).\n"
-"Raises as pread_hash_into (EndOfFile / DeadlinePassed: `done` is where the earliest\n"
-"group that failed stopped; other groups may have filled bytes past it). The GIL is\n"
+"Raises as pread_hash_into (EndOfFile / DeadlinePassed / Stopped: `done` is where the\n"
+"earliest group that failed stopped; other groups may have filled bytes past it; every\n"
+"group checks stop before each of its pieces). The GIL is\n"
 "released for the whole read, and every thread has ended when it returns.");
 
 static PyObject *pread_hash_layers_into(PyObject *self, PyObject *args) {
@@ -503,14 +556,21 @@ static PyObject *pread_hash_layers_into(PyObject *self, PyObject *args) {
     PyObject *layer_sizes;
     Py_ssize_t piece_bytes;
     double deadline;
-    if (!PyArg_ParseTuple(args, "iLw*Ond|i:pread_hash_layers_into", &fd, &file_offset, &dest,
-                          &layer_sizes, &piece_bytes, &deadline, &threads))
+    PyObject *stop_obj = NULL;
+    if (!PyArg_ParseTuple(args, "iLw*Ond|iO:pread_hash_layers_into", &fd, &file_offset, &dest,
+                          &layer_sizes, &piece_bytes, &deadline, &threads, &stop_obj))
         return NULL;
     if (piece_bytes <= 0 || file_offset < 0 || threads < 1 || threads > MAX_READ_THREADS) {
         PyBuffer_Release(&dest);
         PyErr_Format(PyExc_ValueError,
                      "piece_bytes must be > 0 and file_offset >= 0, threads in 1..%d",
                      MAX_READ_THREADS);
+        return NULL;
+    }
+    Py_buffer stop_view;
+    const volatile unsigned char *stop;
+    if (stop_flag(stop_obj, &stop_view, &stop) < 0) {
+        PyBuffer_Release(&dest);
         return NULL;
     }
     PyObject *result = NULL;
@@ -521,13 +581,16 @@ static PyObject *pread_hash_layers_into(PyObject *self, PyObject *args) {
         int err = 0;
         BEGIN_WITHOUT_GIL
         outcome = pread_hash_layer_groups(fd, file_offset, dest.buf, dest.len, piece_bytes,
-                                          deadline, layers, ends, count, threads, &done, &err);
+                                          deadline, stop, layers, ends, count, threads, &done,
+                                          &err);
         Py_END_ALLOW_THREADS
         result = outcome == DONE ? layer_digest_list(layers, count)
                                  : raise_outcome(outcome, done, err);
     }
     free(layers);
     PyMem_Free(ends);
+    if (stop_view.obj != NULL)
+        PyBuffer_Release(&stop_view);
     PyBuffer_Release(&dest);
     return result;
 }
@@ -719,9 +782,15 @@ PyMODINIT_FUNC PyInit__fastread(void) {
         "vllm_draft_offload._fastread.DeadlinePassed",
         "The deadline passed before a piece; args[0]: the destination's bytes filled.", NULL,
         NULL);
-    if (EndOfFile == NULL || DeadlinePassed == NULL ||
+    Stopped = PyErr_NewExceptionWithDoc(
+        "vllm_draft_offload._fastread.Stopped",
+        "The caller's stop flag was set before a piece; args[0]: the destination's bytes "
+        "filled.",
+        NULL, NULL);
+    if (EndOfFile == NULL || DeadlinePassed == NULL || Stopped == NULL ||
         PyModule_AddObjectRef(m, "EndOfFile", EndOfFile) < 0 ||
         PyModule_AddObjectRef(m, "DeadlinePassed", DeadlinePassed) < 0 ||
+        PyModule_AddObjectRef(m, "Stopped", Stopped) < 0 ||
         PyModule_AddIntConstant(m, "XXHASH_VERSION", XXH_VERSION_NUMBER) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -25,8 +25,10 @@ of its bytes (``xxhash.xxh3_128(dest).digest()``, ``unit_codec.checksum`` in hex
 of its range of ``dest``), arguments that cannot be (a piece of 0 bytes, lengths or layer
 sizes that disagree) raise the same ``ValueError``, a file that ends early raises
 ``EndOfFile(bytes filled)``, a deadline (``time.monotonic``) passed before a piece raises
-``DeadlinePassed(bytes filled)``, and nothing is written after either, and any other
-failed read raises ``OSError``. ``l3_fs_reads.ObjectFile`` turns the read errors into its
+``DeadlinePassed(bytes filled)``, a stop flag set before a piece (the first byte of a
+``stop`` buffer another thread sets: a fetch given up, l3_worker) raises
+``Stopped(bytes filled)``, and nothing is written after any of them, and any other failed
+read raises ``OSError``. ``l3_fs_reads.ObjectFile`` turns the read errors into its
 storage errors.
 
 A storage lookup asks of many stored files whether they exist (``files_exist``) and, for
@@ -114,9 +116,15 @@ class _DeadlinePassed(Exception):
     """The deadline passed before a piece; ``args[0]``: the destination's bytes filled."""
 
 
+class _Stopped(Exception):
+    """The caller's stop flag was set before a piece; ``args[0]``: the destination's bytes
+    filled."""
+
+
 # One class per error whichever reader raised it: the extension's when it is there.
 EndOfFile: Final[type[Exception]] = getattr(_fastread, "EndOfFile", _EndOfFile)
 DeadlinePassed: Final[type[Exception]] = getattr(_fastread, "DeadlinePassed", _DeadlinePassed)
+Stopped: Final[type[Exception]] = getattr(_fastread, "Stopped", _Stopped)
 
 
 def reader() -> str:
@@ -142,16 +150,21 @@ def pread_into(fd: int, file_offset: int, dest: memoryview) -> None:
 
 
 def pread_hash_into(
-    fd: int, file_offset: int, dest: memoryview, piece_bytes: int, deadline: float
+    fd: int,
+    file_offset: int,
+    dest: memoryview,
+    piece_bytes: int,
+    deadline: float,
+    stop: bytearray | None = None,
 ) -> bytes:
     """Fill ``dest`` with ``fd``'s bytes from ``file_offset``, ``piece_bytes`` at a time,
     each piece hashed right after it landed; returns the 16-byte XXH3-128 digest of ``dest``.
-    Checks ``deadline`` (``time.monotonic``) before each piece."""
+    Checks ``deadline`` (``time.monotonic``) and ``stop[0]`` before each piece."""
     if NATIVE:
-        return _fastread.pread_hash_into(fd, file_offset, dest, piece_bytes, deadline)  # type: ignore[union-attr]
+        return _fastread.pread_hash_into(fd, file_offset, dest, piece_bytes, deadline, stop)  # type: ignore[union-attr]
     out = _read_destination(dest, file_offset, piece_bytes)
     hasher = payload_hasher()
-    for _, piece in _read_pieces(fd, file_offset, out, piece_bytes, deadline):
+    for _, piece in _read_pieces(fd, file_offset, out, piece_bytes, deadline, stop):
         hasher.update(piece)
     return hasher.digest()
 
@@ -196,6 +209,7 @@ def pread_hash_layers_into(
     piece_bytes: int,
     deadline: float,
     threads: int = 1,
+    stop: bytearray | None = None,
 ) -> list[bytes]:
     """``pread_hash_into``, hashing each piece into each layer it overlaps instead of the
     whole (layers as ``copy_hash_layers_into``'s): the 16-byte XXH3-128 digest of each
@@ -204,17 +218,18 @@ def pread_hash_layers_into(
     ``threads`` > 1 (1 to ``MAX_READ_THREADS``): natively, the layers are split into up to
     that many groups of whole layers of about equal bytes, each read on a thread of its
     own within the one call, so a unit lands in about 1 / threads of one thread's time
-    (``l3.threads_per_unit``); ``EndOfFile`` / ``DeadlinePassed`` then give where the
-    earliest group that failed stopped. The Python loop reads on the calling thread alone."""
+    (``l3.threads_per_unit``); ``EndOfFile`` / ``DeadlinePassed`` / ``Stopped`` then give
+    where the earliest group that failed stopped (each checks ``stop`` before its pieces).
+    The Python loop reads on the calling thread alone."""
     if not 1 <= threads <= MAX_READ_THREADS:
         raise ValueError(f"threads must be in 1..{MAX_READ_THREADS}, not {threads}")
     if NATIVE:
         return _fastread.pread_hash_layers_into(  # type: ignore[union-attr]
-            fd, file_offset, dest, layer_sizes, piece_bytes, deadline, threads
+            fd, file_offset, dest, layer_sizes, piece_bytes, deadline, threads, stop
         )
     out = _read_destination(dest, file_offset, piece_bytes)
     layers = _LayerHashers(_layer_ends(layer_sizes, out.nbytes))
-    for start, piece in _read_pieces(fd, file_offset, out, piece_bytes, deadline):
+    for start, piece in _read_pieces(fd, file_offset, out, piece_bytes, deadline, stop):
         layers.update(start, piece)
     return layers.digests()
 
@@ -228,12 +243,21 @@ def _read_destination(dest: memoryview, file_offset: int, piece_bytes: int) -> m
 
 
 def _read_pieces(
-    fd: int, file_offset: int, out: memoryview, piece_bytes: int, deadline: float
+    fd: int,
+    file_offset: int,
+    out: memoryview,
+    piece_bytes: int,
+    deadline: float,
+    stop: bytearray | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """Fill ``out`` from ``fd`` piece by piece, yielding each piece's offset and its view
-    right after it landed (the Python loop of both reads); the deadline is checked before
-    each piece."""
+    right after it landed (the Python loop of both reads); the stop flag and the deadline
+    are checked before each piece."""
+    if stop is not None and len(stop) < 1:
+        raise ValueError("stop must be a buffer of at least one byte")
     for start in range(0, out.nbytes, piece_bytes):
+        if stop is not None and stop[0]:
+            raise Stopped(start)
         if time.monotonic() > deadline:
             raise DeadlinePassed(start)
         piece = out[start : start + piece_bytes]

@@ -22,8 +22,9 @@ can cost more than the call itself.
 hashing each piece right after it landed, which a fetch checks against the unit's header.
 
 Reads are blocking and cannot be cancelled once in the kernel, so ``ObjectFile``
-checks the caller's deadline before each piece: a slow disk costs at most the timeout
-plus one piece, and nothing is written into the caller's buffer after the call returns.
+checks the caller's deadline and stop flag before each piece: a slow disk costs at most
+the timeout plus one piece, a fetch given up stops within a piece, and nothing is written
+into the caller's buffer after the call returns.
 A read stuck inside one piece (a hung network mount) holds its thread, and the caller
 its buffer, until the kernel returns; LMCache's path held a thread of its executor
 instead and left a staging buffer behind. The request waiting on it stops waiting
@@ -58,6 +59,12 @@ class DeadlineExceeded(TimeoutError):
     """The caller's time ran out between two pieces of a read."""
 
 
+class ReadStopped(Exception):
+    """The caller set its stop flag (``ObjectFile.stop``) between two pieces of a read: a
+    fetch given up. Neither a storage failure nor a success (no circuit breaker counts it);
+    nothing is written into the caller's buffer after it is raised."""
+
+
 class ObjectFile:
     """One stored object's bytes in an open file: ``nbytes`` bytes from ``start``.
 
@@ -72,9 +79,14 @@ class ObjectFile:
         self.nbytes = nbytes
         self.deadline = deadline
         self.head = head[:nbytes]
+        # The reader's stop flag (its first byte, set from another thread: the fetch was
+        # given up): checked before each piece as the deadline is (``ReadStopped``).
+        self.stop: bytearray | None = None
 
     def readinto(self, pos: int, buf: memoryview) -> None:
         """Fill ``buf`` with the object's bytes from ``pos``; a short file is corrupt."""
+        if self.stop is not None and self.stop[0]:
+            raise ReadStopped(f"stopped at object byte {pos}")
         if time.monotonic() > self.deadline:
             raise DeadlineExceeded(f"deadline passed at object byte {pos}")
         self._check_span(pos, buf)
@@ -88,7 +100,7 @@ class ObjectFile:
         self._check_span(pos, buf)
         with self._errors(pos):
             return fast_io.pread_hash_into(
-                self.fd, self.start + pos, buf, piece_bytes, self.deadline
+                self.fd, self.start + pos, buf, piece_bytes, self.deadline, self.stop
             )
 
     def readinto_layers_hashed(
@@ -100,7 +112,14 @@ class ObjectFile:
         self._check_span(pos, buf)
         with self._errors(pos):
             return fast_io.pread_hash_layers_into(
-                self.fd, self.start + pos, buf, layer_sizes, piece_bytes, self.deadline, threads
+                self.fd,
+                self.start + pos,
+                buf,
+                layer_sizes,
+                piece_bytes,
+                self.deadline,
+                threads,
+                self.stop,
             )
 
     def _check_span(self, pos: int, buf: memoryview) -> None:
@@ -118,6 +137,8 @@ class ObjectFile:
             raise CorruptObject(f"file ended at object byte {at} of {self.nbytes}") from None
         except fast_io.DeadlinePassed as e:
             raise DeadlineExceeded(f"deadline passed at object byte {pos + e.args[0]}") from None
+        except fast_io.Stopped as e:
+            raise ReadStopped(f"stopped at object byte {pos + e.args[0]}") from None
 
     def read(self, pos: int, nbytes: int) -> bytes:
         """The object's bytes [pos, pos + nbytes): from ``head`` when it holds them."""

@@ -45,7 +45,12 @@ from vllm_draft_offload.l3_backends import (
 )
 from vllm_draft_offload.l3_channel import L3Channel, release_staged
 from vllm_draft_offload.l3_errors import L3Error
-from vllm_draft_offload.l3_fs_reads import DeadlineExceeded, ObjectFile, open_object_file
+from vllm_draft_offload.l3_fs_reads import (
+    DeadlineExceeded,
+    ObjectFile,
+    ReadStopped,
+    open_object_file,
+)
 
 T = TypeVar("T")
 
@@ -222,7 +227,8 @@ class L3Store(L3Channel):
         can read the object straight into its destination, in pieces it verifies as they
         land. The same timeout and circuit breaker apply as to ``get``: ``ObjectFile``'s
         reads check the deadline before each piece, so ``consume`` has stopped writing
-        when this returns or raises.
+        when this returns or raises. ``ReadStopped`` (the file's stop flag was set while
+        ``consume`` read) passes through; the backend answered, so it counts as up.
         """
         lkey = self._key(key, "get")
         deadline = time.monotonic() + self.settings.timeout_s
@@ -237,6 +243,9 @@ class L3Store(L3Channel):
             else:
                 with file:
                     result = consume(file)
+        except ReadStopped:
+            self._succeeded()  # the backend answered; the caller gave the read up
+            raise
         except DeadlineExceeded as e:
             msg = f"no answer within {self.settings.timeout_s}s ({e})"
             raise self._fail("timeout", msg, "get", key, conn) from e

@@ -81,8 +81,8 @@ class TransferJob:
         return sum(len(pages) for pages in self.host_pages)
 
 
-# Failure cause of a fetch a worker skipped because the scheduler cancelled it: not a
-# refusal, and storage still holds the unit.
+# Failure cause of a fetch a worker skipped or stopped mid-read because the scheduler
+# cancelled it: not a refusal, and storage still holds the unit.
 FETCH_CANCELLED = "fetch_cancelled"
 
 
@@ -101,7 +101,8 @@ class DraftOffloadMetadata(KVConnectorMetadata):
     stores: list[TransferJob] = field(default_factory=list)
     fetches: list[FetchJob] = field(default_factory=list)
     # Fetch jobs nobody waits for any more whose request gave storage up as too slow: a
-    # worker that has not started one skips it (reported with cause FETCH_CANCELLED).
+    # worker skips one it has not started and stops one it is reading (fs://, within a
+    # piece), reporting either with cause FETCH_CANCELLED.
     cancel_fetches: list[int] = field(default_factory=list)
     compares: list[TransferJob] = field(default_factory=list)
     # A request with stores in flight was preempted: its blocks may be reused

@@ -84,6 +84,7 @@ def fetch_unit_into(
     spread: RunPool | None = None,
     native_piece_bytes: int = NATIVE_PIECE_BYTES,
     threads_per_unit: int = 1,
+    stop: bytearray | None = None,
 ) -> UnitHeader | None:
     """Read object ``name`` into ``dest`` (exactly the payload's size) and verify it,
     ``native_piece_bytes`` (native reader) or ``piece_bytes`` (Python reader) at a time;
@@ -95,18 +96,22 @@ def fetch_unit_into(
 
     Returns the unit's header, or None when the object is absent. Raises
     ``UnitRejected`` for a unit that must not be used and ``L3Error`` for a storage
-    failure, within the store's timeout.
+    failure, within the store's timeout; ``ReadStopped`` once ``stop[0]`` is set (from
+    another thread) between two pieces of an fs:// read (other backends' objects arrive
+    whole, then are copied).
     """
     dest = dest.cast("B") if dest.format != "B" else dest
     piece = native_piece_bytes if fast_io.NATIVE else piece_bytes
     if store.reads_files:
-        try:
-            return store.read_file(
-                name,
-                lambda file: _read_file_into(
-                    file, expected, dest, piece_bytes, piece, spread, threads_per_unit
-                ),
+
+        def consume(file: ObjectFile) -> UnitHeader:
+            file.stop = stop
+            return _read_file_into(
+                file, expected, dest, piece_bytes, piece, spread, threads_per_unit
             )
+
+        try:
+            return store.read_file(name, consume)
         except L3Error as exc:
             if exc.kind != "unsupported":  # an fs plugin whose connector has no files
                 raise
