@@ -63,7 +63,9 @@ class L3Config(BaseModel):
     # all, each unit landing in about 1 / threads_per_unit of one thread's time, so a
     # fetch's first units land early. A whole unit read by one thread takes about a
     # request's 5 % allowance at the 8B shape, which is why waits bet past it (session 29).
-    # 1: one thread a unit. Off until a GPU host shows it pays.
+    # 1: one thread a unit. On an H200 (session 30) 4 landed first units about twice as
+    # early in the engine, but its bets, sized from that smaller estimate, gave up two of
+    # three warm hits behind storage writes: 1 until a second run decides.
     threads_per_unit: int = Field(default=1, ge=1, le=16)
     # cost: fetch the part of a storage hit that loads faster than it recomputes
     # (l3_cost.py); always: fetch every hit; never: no storage reads (writes go on).
@@ -181,8 +183,9 @@ class DraftOffloadConfig(BaseModel):
     # Issue each step's store copies on a thread of their own instead of in
     # wait_for_save on the engine's thread (store_issuer.py): a DMA batch queued behind
     # the step's forward can block its call until the GPU has worked through it (H200,
-    # session 29: 1.6 s once a 64-request batch, its prefill 1.10 x as long). Off until
-    # a GPU run shows it pays.
+    # session 29: 1.6 s once a 64-request batch, its prefill 1.10 x as long). Off: on an
+    # H200 (session 30) it ended that block, but DMA-stored batches still took 1.11 x as
+    # long before decoding, and with stores on the kernel it changed nothing measured.
     store_thread: bool = False
     # Stores issued in a step that computes no prompt token (decode only) go by DMA
     # (copy engines), the rest as copy_path says. H200/H100 at 64 requests, 8B shape:

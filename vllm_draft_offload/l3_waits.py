@@ -17,7 +17,8 @@ lookup found the round in the page cache: l3_residency.py; a probe of resident f
 too), a fetch that keeps the pace its landings show (l3_cost.py states the worst
 case). When it stops waiting it is admitted with the leading chunks that landed; its
 other fetches finish in the background into the CPU tier, except after a fetch (not
-a probe) it gave up as too slow: then the reads not yet started are cancelled. Every
+a probe) it gave up as too slow: then the reads not yet started are cancelled and
+those reading stop before their next piece (fs://). Every
 decision is logged (l3_decisions.py).
 """
 

@@ -143,7 +143,7 @@ class WorkerL3(L3WriteBehind):
         """Skip these fetches if they have not started, and stop those reading now within
         a piece (fs://), each reported as FETCH_CANCELLED. A request that gave storage up
         recomputes beside them: on an H200 (sessions 29-30) up to 12 whole-unit reads left
-        running after a decline slowed its recompute by 7-18 ms."""
+        running after strict's quiet declines slowed their recompute by 7-18 ms."""
         with self._fetch_lock:
             for job_id in job_ids:
                 if job_id in self._fetches_queued:
