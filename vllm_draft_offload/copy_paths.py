@@ -233,6 +233,11 @@ class CopyEngine:
             return f"the kernel failed to build or run ({exc!r})"
         return None
 
+    def path_for(self, batch_path: CopyPath | None) -> CopyPath:
+        """The path a batch takes: its own (``decode_stores_dma``'s memcpy) or, without
+        one, the engine's; the engine's memcpy whenever the kernel cannot run here."""
+        return self.path if batch_path is None or self.kernel is None else batch_path
+
     def run(
         self,
         desc: Descriptors,
@@ -267,8 +272,7 @@ class CopyEngine:
         last group (when ``mark``)."""
         keepalive: list[torch.Tensor] = []
         events: list[torch.cuda.Event | None] = [None] * len(descs)
-        # A batch's own path, unless the kernel cannot run here (then memcpy, as set).
-        path = self.path if path is None or self.kernel is None else path
+        path = self.path_for(path)
         for group in pipeline_groups(descs, self.piece_descriptors, self.first_piece_descriptors):
             plans = plan_layers(
                 [piece for _, piece, _ in group], direction, path, self.tile, self.rules

@@ -80,8 +80,8 @@ def route_layers(
     ``path``: this batch's path instead of the engine's (``decode_stores_dma``)."""
     engine = copier.engine
     regions = copier.copies.regions
-    path = path or engine.path
-    if path == "memcpy" or engine.kernel is None or copier.kernel is None:
+    path = engine.path_for(path)
+    if path == "memcpy" or copier.kernel is None:
         return [False] * len(regions)
     picks = list(copier.fits)
     if path == "kernel":
