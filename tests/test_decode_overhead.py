@@ -613,19 +613,26 @@ def test_prefill_pairs_time_what_stores_add_before_decoding() -> None:
 
 
 @pytest.mark.parametrize(
-    ("config", "setting"),
-    [("store_thread", "store_thread"), ("store_decode_dma", "decode_stores_dma")],
+    ("config", "setting", "value"),
+    [
+        ("store_thread", "store_thread", True),
+        ("store_decode_dma", "decode_stores_dma", True),
+        ("store_decode_kernel", "decode_stores_dma", False),
+    ],
 )
-def test_a_store_variant_is_store_with_its_setting_on(config: str, setting: str) -> None:
-    """store_thread: the issuer thread; store_decode_dma: decode steps' stores by DMA.
-    Each is `store` with that one setting on, and its off batches opt out of stores."""
+def test_a_store_variant_is_store_with_one_setting_of_its_own(
+    config: str, setting: str, value: bool
+) -> None:
+    """store_thread: the issuer thread; store_decode_dma / store_decode_kernel: decode
+    steps' stores by DMA or not, whatever the pages. Each is `store` (the defaults) with
+    that one setting, and its off batches opt out of stores."""
     from vllm_draft_offload.config import parse_config
 
     store = decode_configs.connector_config("store", 1.5, 128)
     variant = decode_configs.connector_config(config, 1.5, 128)
     assert store is not None and variant is not None
     extra = variant["kv_connector_extra_config"]
-    assert extra == {**store["kv_connector_extra_config"], setting: True}
-    assert getattr(parse_config(extra), setting)
-    assert not getattr(parse_config(store["kv_connector_extra_config"]), setting)
+    assert extra == {**store["kv_connector_extra_config"], setting: value}
+    assert getattr(parse_config(extra), setting) is value
+    assert getattr(parse_config(store["kv_connector_extra_config"]), setting) is not value
     assert config in rep.STORING

@@ -14,7 +14,10 @@ against 0.95 x on the kernel), but session 29 found where the cost went: DMA's b
 call blocked the engine's thread for a whole batch's prefill, and storing batches
 spent 1.10-1.13 x as long before decoding as batches opting out, where stores on the
 kernel added nothing (1.00 x). So stores are back on the kernel where it is faster;
-``store_thread`` (store_issuer.py) issues the copies off the engine's thread.
+``store_thread`` (store_issuer.py) issues the copies off the engine's thread. A step that
+decodes only, though, stores by DMA where pages are large enough
+(``decode_stores_by_dma``): there the kernel's copies cost decode about 5 % and DMA's
+nothing (session 31 ran both by phase side by side).
 """
 
 from __future__ import annotations
@@ -45,6 +48,24 @@ class AutoRule:
 
     def to_dict(self) -> dict[str, int]:
         return {"max_bytes": self.max_bytes, "min_count": self.min_count}
+
+
+# The smallest page a decode step's stores go to DMA for by default (decode_stores_dma):
+# DMA first stored at 0.6 x pinned memcpy or more at 48 KiB pages (0.70 x; 32 KiB 0.49 x;
+# results/gpu/session5_h100/copy_speed.json). Smaller pages stay on the kernel, where
+# per-copy overhead does not bound them.
+DECODE_STORE_DMA_MIN_PAGE_BYTES = 48 * 1024
+
+
+def decode_stores_by_dma(setting: bool | None, copy_path: str, page_bytes: Iterable[int]) -> bool:
+    """Whether a decode-only step's stores go by DMA: ``setting`` when given, else (the
+    default) under ``copy_path`` auto when every layer's page is at least
+    ``DECODE_STORE_DMA_MIN_PAGE_BYTES``. A forced ``copy_path`` is what the user asked
+    for every copy, so the default leaves it alone."""
+    if setting is not None:
+        return setting
+    pages = list(page_bytes)
+    return copy_path == "auto" and bool(pages) and min(pages) >= DECODE_STORE_DMA_MIN_PAGE_BYTES
 
 
 Rules = Mapping[Direction, AutoRule]

@@ -27,6 +27,7 @@ from vllm_draft_offload.audit import RecomputeComparer
 from vllm_draft_offload.config import CopyPath, DraftOffloadConfig
 from vllm_draft_offload.copy_paths import CopyEngine
 from vllm_draft_offload.copy_routes import PairCopier
+from vllm_draft_offload.copy_rules import decode_stores_by_dma
 from vllm_draft_offload.geometry import UnitLayout, build_unit_layout
 from vllm_draft_offload.metadata import (
     DraftOffloadMetadata,
@@ -87,6 +88,7 @@ class DraftOffloadWorker(WorkerLoads):
         self.pool: HostPool | None = None
         self.copier: CopyEngine | None = None
         self.pair_copier: PairCopier | None = None  # CPU-tier loads and stores
+        self._decode_stores_dma = False  # resolved from the pages in register_kv_caches
         self.regions: list[LayerRegion] = []
         self._copies: UnitCopies | None = None
         self._aliases: dict[str, str] = {}
@@ -138,19 +140,18 @@ class DraftOffloadWorker(WorkerLoads):
         self.pool = HostPool(num_slots, layout.unit_bytes, pin=self._on_device)
         self._overlap = OverlapLoads(self.async_loads, remembered_fetches(num_slots))
         self._copies = UnitCopies(self.regions, self.pool)
-        self.copier = CopyEngine(
-            self.config.copy_path,
-            self.pool,
-            [slot.page_bytes for slot in layout.layers],
-            self._on_device,
-        )
+        page_bytes = [slot.page_bytes for slot in layout.layers]
+        self.copier = CopyEngine(self.config.copy_path, self.pool, page_bytes, self._on_device)
         self.pair_copier = PairCopier(self._copies, self.copier)
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
         if self.config.store_thread:
             self._issuer = StoreIssuer(self._copy_stores, sample.device)
-        if self.config.decode_stores_dma:
+        self._decode_stores_dma = decode_stores_by_dma(
+            self.config.decode_stores_dma, self.config.copy_path, page_bytes
+        )
+        if self._decode_stores_dma:
             logger.info("DraftOffloadConnector: decode steps' stores go by DMA (memcpy)")
         self.comparer = RecomputeComparer(
             layout,
@@ -229,7 +230,7 @@ class DraftOffloadWorker(WorkerLoads):
         # A decode step's stores by DMA (decode_stores_dma): on the pair kernel they take
         # SMs from the decode steps they run beside.
         path: CopyPath | None = (
-            "memcpy" if self.config.decode_stores_dma and not meta.prompt_step else None
+            "memcpy" if self._decode_stores_dma and not meta.prompt_step else None
         )
         self._issue_stores(batch, PairBatch.concat(parts, len(self._copies.group_rows)), path)
 

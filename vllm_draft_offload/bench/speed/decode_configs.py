@@ -17,6 +17,7 @@ CONFIGS = (
     "store_kernel",
     "store_thread",
     "store_decode_dma",
+    "store_decode_kernel",
 )
 # `store` with its copies forced onto one path (copy_path memcpy or kernel), so one run
 # shows side by side what each path's stores cost decode (session 15, H100, 8B shape:
@@ -29,10 +30,13 @@ FORCED_COPY_PATH = {"store_dma": "memcpy", "store_kernel": "kernel"}
 # call on the engine's thread).
 # store_decode_dma sends a decode-only step's stores to DMA and keeps the others on
 # copy_path's route: pooled 64-request runs (sessions 25-29) had the kernel cost decode
-# (0.947) and DMA the prefill phase (1.13 x), each nothing in the other phase.
+# (0.947) and DMA the prefill phase (1.13 x), each nothing in the other phase. It is the
+# default where pages are at least 48 KiB; store_decode_kernel turns it off, so a run
+# shows the two side by side at any shape.
 EXTRA_SETTINGS: dict[str, dict[str, Any]] = {
     "store_thread": {"store_thread": True},
     "store_decode_dma": {"decode_stores_dma": True},
+    "store_decode_kernel": {"decode_stores_dma": False},
 }
 
 

@@ -45,7 +45,14 @@ def acceptance_length(counters: dict[str, float]) -> float | None:
 
 
 # Engines whose paired off batches opt out of stores (decode_batches.arm_params).
-STORING = ("store", "store_dma", "store_kernel", "store_thread", "store_decode_dma")
+STORING = (
+    "store",
+    "store_dma",
+    "store_kernel",
+    "store_thread",
+    "store_decode_dma",
+    "store_decode_kernel",
+)
 
 
 def arm_reps(runs: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
