@@ -554,7 +554,13 @@ def test_fast_storage_hits_are_taken(model_dirs: tuple[Path, Path], tmp_path: Pa
     assert hit.lookup_s is not None and hit.fetch_s is not None, hit.line()
     assert min(hit.lookup_s, hit.fetch_s) > 0
     assert hit.lookup_s + hit.fetch_s <= hit.waited_s
-    assert f"(lookup {hit.lookup_s:.4f} s, fetch {hit.fetch_s:.4f} s)" in hit.line()
+    # Of the lookup's round trip, the part until its thread had the answer.
+    assert hit.lookup_answered_s is not None
+    assert 0 < hit.lookup_answered_s <= hit.lookup_s, hit.line()
+    assert (
+        f"(lookup {hit.lookup_s:.4f} s, answered in {hit.lookup_answered_s:.4f} s, "
+        f"fetch {hit.fetch_s:.4f} s)"
+    ) in hit.line()
     # When its first unit landed, against the estimate a wait before it bets on.
     assert hit.first_landing_s is not None and hit.first_landing_est_s is not None
     assert 0 < hit.first_landing_s <= hit.fetch_s, hit.line()

@@ -59,6 +59,9 @@ class L3Decision:
     # if any) until the request stopped waiting. None: not done.
     lookup_s: float | None = None
     fetch_s: float | None = None
+    # Of lookup_s: until the lookup thread had its answer; the rest waited for the
+    # scheduler's next look at the request (a step). None: not timed.
+    lookup_answered_s: float | None = None
     # From the fetch's start to its first unit landing, as the scheduler saw it (None:
     # nothing landed), and the estimate of that a wait before any landing bets on
     # (StorageEstimate.first_landing_s; None: storage unmeasured). The bets' slack
@@ -89,7 +92,8 @@ class L3Decision:
             f"({self.estimate_source}); probe {self.probe}; "
             f"resident {'?' if self.first_round is None else self.first_round.label()}; "
             f"waited {self.waited_s:.4f} s of {secs(self.allowance_s)} s "
-            f"(lookup {secs(self.lookup_s)} s, fetch {secs(self.fetch_s)} s); "
+            f"(lookup {secs(self.lookup_s)} s, answered in {secs(self.lookup_answered_s)} s, "
+            f"fetch {secs(self.fetch_s)} s); "
             f"first landing {secs(self.first_landing_s)} s "
             f"(est {secs(self.first_landing_est_s)} s)"
         )

@@ -134,6 +134,9 @@ class L3HitDriver:
                 waits.finish(state, "lookup_failed", 0)
                 return False
             state.decision.lookup_s = time.perf_counter() - state.lookup_started
+            answered_at = getattr(present, "answered_at", None)
+            if answered_at is not None:
+                state.decision.lookup_answered_s = answered_at - state.lookup_started
             state.decision.first_round = getattr(present, "first_round", None)
             self.cost.storage.observe_round_trip(state.decision.lookup_s)
             self._start_fetches(req_id, state, keys, present)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -121,6 +122,7 @@ class SchedulerL3:
             self.first_round_units,
             lambda key: [object_key(key, rank) for rank in range(ranks)],
         )
+        presence.answered_at = time.perf_counter()
         return presence
 
     def close(self) -> None:

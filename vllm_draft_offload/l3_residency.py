@@ -152,3 +152,6 @@ class Presence(list[bool]):
     A list, so callers that only want the answer need not know about residency."""
 
     first_round: Residency | None = None
+    # time.perf_counter() when the lookup had its answer: what it waited after that is
+    # the scheduler's step cadence, not storage (None: not timed).
+    answered_at: float | None = None

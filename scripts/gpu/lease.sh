@@ -160,8 +160,18 @@
 #             default: stores on the pair kernel) and store_decode_dma (decode-only steps'
 #             stores by DMA, the others on the kernel), 12 pairs each, hooks timed: whether
 #             the kernel's prefill (1.005 x, 53 pairs) and DMA's decode (1.033, 36 pairs)
-#             add up, decode and prefill paired (about 8 min, estimated):
+#             add up, decode and prefill paired (H200, session 31: 8.2 min with setup):
 #             /root/decode_8b_b64_phase.json
+#   decode-8b-b64-default  decode-overhead at the 8B shape, 64 requests a batch, store
+#             (the default since session 31: decode-only steps' stores by DMA, the others
+#             on the kernel), store_decode_kernel (every store on the kernel, the default
+#             before) and store_thread (the default with the copies issued off the
+#             engine's thread: session 31's decode-step DMA calls held wait_for_save up to
+#             22.6-42.5 ms a batch), 12 pairs each, hooks timed (about 12 min,
+#             estimated): /root/decode_8b_b64_default.json
+#   decode-small-b64  decode-overhead at the small shape (32 KiB pages: stores on the
+#             kernel), 64 requests a batch, none and store, 12 pairs each (about 5 min,
+#             estimated): /root/decode_small_b64.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -431,6 +441,12 @@ declare -A CMD=(
   [decode-8b-b64-phase]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs store,store_decode_dma --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
       --engine-timeout 600 --out /root/decode_8b_b64_phase.json"
+  [decode-8b-b64-default]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store,store_decode_kernel,store_thread --reps 12 --batch 64 --turn-prompts 0 \
+      --time-hooks --engine-timeout 600 --out /root/decode_8b_b64_default.json"
+  [decode-small-b64]="vllm-draft-offload decode-overhead --shape small --configs none,store \
+      --reps 12 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --out /root/decode_small_b64.json"
   [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \
       --out /root/restore_speed_l3_reads12.json; rm -rf /root/l3r3"
