@@ -170,8 +170,8 @@
 #             22.6-42.5 ms a batch), 12 pairs each, hooks timed (about 12 min,
 #             estimated): /root/decode_8b_b64_default.json
 #   decode-small-b64  decode-overhead at the small shape (32 KiB pages: stores on the
-#             kernel), 64 requests a batch, none and store, 12 pairs each (about 5 min,
-#             estimated): /root/decode_small_b64.json
+#             kernel), 64 requests a batch, none and store, 12 pairs each, hooks and
+#             decode steps timed (about 5 min, estimated): /root/decode_small_b64.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -445,7 +445,7 @@ declare -A CMD=(
       --configs store,store_decode_kernel,store_thread --reps 12 --batch 64 --turn-prompts 0 \
       --time-hooks --engine-timeout 600 --out /root/decode_8b_b64_default.json"
   [decode-small-b64]="vllm-draft-offload decode-overhead --shape small --configs none,store \
-      --reps 12 --batch 64 --turn-prompts 0 --engine-timeout 600 \
+      --reps 12 --batch 64 --turn-prompts 0 --time-hooks --engine-timeout 600 \
       --out /root/decode_small_b64.json"
   [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \

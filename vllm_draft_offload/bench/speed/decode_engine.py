@@ -1,7 +1,7 @@
 """One decode-overhead engine, the child process: a warm-up batch, the timed batches
-(with what the machine did meanwhile), and as asked the hooks' wall time
-(``--time-hooks``), one profiled batch (``--profile``) and the multi-turn check
-(``store``)."""
+(with what the machine did meanwhile), and as asked the hooks' wall time with the
+engine's decode steps and GC pauses (``--time-hooks``, engine_timeline.py), one
+profiled batch (``--profile``) and the multi-turn check (``store``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from vllm_draft_offload.bench.speed.decode_batches import (
 )
 from vllm_draft_offload.bench.speed.decode_configs import connector_config
 from vllm_draft_offload.bench.speed.decode_report import acceptance_length, decode_rate
+from vllm_draft_offload.bench.speed.engine_timeline import EngineTimeline
 from vllm_draft_offload.bench.speed.shapes import draft_model_config
 
 STORED_CHUNKS = "vllm:draft_offload_stored_chunks_total"
@@ -50,6 +51,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
     turn_len = args.prompt_tokens + args.turn_decode_tokens + args.turn_user_tokens
     max_len = max(args.prompt_tokens + args.decode_tokens, turn_len + args.turn_decode_tokens)
+    speculative = draft_model_config(args.draft)
     llm = LLM(
         model=args.target,
         load_format="dummy",
@@ -61,7 +63,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_mem,
         enforce_eager=args.enforce_eager or args.dry_run_cpu,
         enable_prefix_caching=True,
-        speculative_config=draft_model_config(args.draft),
+        speculative_config=speculative,
         kv_transfer_config=connector_config(
             args.config, args.cpu_gib, args.chunk_size, max_len + 64, args.copy_path
         ),
@@ -101,11 +103,17 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     generate(batch_prompts(-1, args.batch, args.prompt_tokens), args.decode_tokens)  # warm-up
     settle()
     clock = hook_clock(*engine_parts(llm)) if args.time_hooks and args.config != "none" else None
+    timeline = None
+    if args.time_hooks:
+        decode_tokens = 1 + (speculative or {}).get("num_speculative_tokens", 0)
+        timeline = EngineTimeline(llm.llm_engine.engine_core.engine_core, decode_tokens)
     result: dict[str, Any] = {"config": args.config, "reps": []}
     for rep, arm in batch_arms(args.reps, args.paired):
         before = snapshot_metrics()
         if clock is not None:
             clock.on = True
+        if timeline is not None:
+            timeline.on = True
         # the sampler's set-up and tear-down (a scan of every process) stay outside `wall`
         with MachineSampler() as machine:
             start = time.perf_counter()
@@ -119,6 +127,10 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         if clock is not None:
             clock.on = False
             hooks = clock.take()
+        steps = None
+        if timeline is not None:
+            timeline.on = False
+            steps = timeline.take()
         settled = settle()  # outside the timed window: the last stores land
         counters = metrics_delta(snapshot_metrics(), before)
         records = [request_record(o, None) for o in outs]
@@ -136,6 +148,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
                 "settled": settled,
                 "machine": machine.summary,
                 **({"hooks": hooks} if hooks is not None else {}),
+                **({"engine": steps} if steps is not None else {}),
             }
         )
         print(args.config, json.dumps(result["reps"][-1]), flush=True)
@@ -148,6 +161,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         settle()
     if args.config == "store" and args.turn_prompts > 0:
         result["turns"] = multi_turn(args, generate, settle, snapshot_metrics, metrics_delta)
+    if timeline is not None:
+        timeline.close()
     return result
 
 

@@ -118,15 +118,20 @@ def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
     return float(np.corrcoef(ranks_x, ranks_y)[0, 1])
 
 
-# What the machine did during a batch (machine_state.MachineSampler), as the report
-# reads it: a field's name, and how to take it out of a batch's ``machine`` record.
+# What the machine did during a batch (machine_state.MachineSampler) and, with
+# --time-hooks, the engine (engine_timeline.py), as the report reads it: a field's name,
+# and how to take it out of a batch's record.
 MACHINE_FIELDS = {
-    "steal_share": lambda machine: machine.get("steal_share"),
-    "busy_share": lambda machine: machine.get("busy_share"),
-    "sm_clock_mhz": lambda machine: (machine.get("sm_clock_mhz") or {}).get("median"),
+    "steal_share": lambda rep: rep["machine"].get("steal_share"),
+    "busy_share": lambda rep: rep["machine"].get("busy_share"),
+    "sm_clock_mhz": lambda rep: (rep["machine"].get("sm_clock_mhz") or {}).get("median"),
     # the GPU's busy share: where decode is GPU-bound it stays near 100 %, and a batch
     # whose host fell behind shows it idle (H100, session 20: rank correlation 0.9)
-    "gpu_util_pct": lambda machine: machine.get("gpu_util_pct"),
+    "gpu_util_pct": lambda rep: rep["machine"].get("gpu_util_pct"),
+    # a batch slower in every decode step, or in a few stalls
+    "decode_step_median_ms": lambda rep: (rep.get("engine") or {}).get("decode_step_median_ms"),
+    "stall_ms": lambda rep: (rep.get("engine") or {}).get("stall_ms"),
+    "gc_pause_ms": lambda rep: (rep.get("engine") or {}).get("gc_pause_ms"),
 }
 
 
@@ -145,7 +150,7 @@ def machine_link(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     rates = [rep["decode_tok_s"] for rep in reps]
     link: dict[str, Any] = {"batches": len(reps)}
     for field, read in MACHINE_FIELDS.items():
-        pairs = [(rate, read(rep["machine"])) for rate, rep in zip(rates, reps, strict=True)]
+        pairs = [(rate, read(rep)) for rate, rep in zip(rates, reps, strict=True)]
         pairs = [(rate, value) for rate, value in pairs if value is not None]
         values = [value for _, value in pairs]
         link[field] = {
@@ -156,6 +161,29 @@ def machine_link(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         {reason for rep in reps for reason in rep["machine"].get("clock_reasons") or []}
     )
     return link
+
+
+def step_tails(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per arm, over its batches timed with --time-hooks (engine_timeline.py): the median
+    of their median and 99th-percentile decode steps, the longest decode step of any,
+    and their stalls and GC pauses summed: what stores do to inter-token latency, which
+    a batch's mean rate spreads thin. None without such batches."""
+    tails: dict[str, Any] = {}
+    for arm in ("on", "off"):
+        timed = [rep["engine"] for rep in arm_reps(runs, arm) if rep.get("engine")]
+        timed = [engine for engine in timed if engine.get("decode_steps")]
+        if not timed:
+            continue
+        tails[arm] = {
+            "batches": len(timed),
+            "decode_step_median_ms": statistics.median(e["decode_step_median_ms"] for e in timed),
+            "decode_step_p99_ms": statistics.median(e["decode_step_p99_ms"] for e in timed),
+            "decode_step_max_ms": max(e["decode_step_max_ms"] for e in timed),
+            "stall_steps": sum(e["stall_steps"] for e in timed),
+            "stall_ms": sum(e["stall_ms"] for e in timed),
+            "gc_pause_ms": sum(e["gc_pause_ms"] for e in timed),
+        }
+    return tails or None
 
 
 def _ratio(rates: dict[str, float | None], config: str, base: str) -> float | None:
@@ -202,6 +230,7 @@ def summarize(report: dict[str, Any]) -> None:
             config: paired(runs, prefill_s) for config, runs in report["configs"].items()
         },
         "machine": {config: machine_link(runs) for config, runs in report["configs"].items()},
+        "decode_steps": {config: step_tails(runs) for config, runs in report["configs"].items()},
     }
     off = [
         rate for config in STORING for rate in arm_rates(report["configs"].get(config, []), "off")

@@ -1,0 +1,96 @@
+"""decode-overhead's engine timeline (--time-hooks): decode steps' wall times, stalls and
+GC pauses per timed batch, on the real vLLM Scheduler (tests/kv_sim.py) and in the
+report."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+
+from vllm_draft_offload.bench.speed import decode_report as rep
+from vllm_draft_offload.bench.speed import engine_timeline as tl
+
+
+def test_summary_counts_decode_steps_their_tail_stalls_and_gc_pauses() -> None:
+    steps = [(0.010, True)] * 19 + [(0.050, True), (1.2, False)]
+    pauses = [(0, 0.001), (2, 0.030)]
+    summary = tl.summarize(steps, pauses)
+    assert summary["engine_steps"] == 21 and summary["decode_steps"] == 20
+    assert summary["decode_step_median_ms"] == pytest.approx(10.0)
+    assert summary["decode_step_max_ms"] == pytest.approx(50.0)  # the prefill step is not one
+    assert 10.0 < summary["decode_step_p99_ms"] <= 50.0
+    assert summary["stall_steps"] == 1 and summary["stall_ms"] == pytest.approx(40.0)
+    assert summary["gc_collections"] == 2 and summary["gc_gen2"] == 1
+    assert summary["gc_pause_ms"] == pytest.approx(31.0)
+    assert summary["gc_longest_ms"] == pytest.approx(30.0)
+    # A batch that only prefilled has no decode-step figures.
+    assert "decode_step_median_ms" not in tl.summarize([(1.0, False)], [])
+
+
+def test_timeline_times_the_engines_decode_steps_only_while_on(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    from kv_sim import SimEngine, SimSetup, prompt
+
+    eng = SimEngine(*model_dirs, SimSetup())
+    schedule = eng.scheduler.schedule
+    timeline = tl.EngineTimeline(eng, max_decode_tokens=1, step_attr="step")
+    eng.add_request("off", prompt(1, 40), max_tokens=3)
+    eng.run_until_done()
+    assert timeline.take()["engine_steps"] == 0
+    timeline.on = True
+    eng.add_request("on", prompt(2, 70), max_tokens=5)
+    eng.run_until_done()
+    gc.collect()
+    timeline.on = False
+    taken = timeline.take()
+    # One prompt step (its 70 tokens), then one token a step: 4 decode steps after the
+    # first token (the store's report may add steps that schedule nothing).
+    assert taken["decode_steps"] == 4, taken
+    assert taken["engine_steps"] >= 5
+    assert 0 < taken["decode_step_median_ms"] <= taken["decode_step_max_ms"]
+    assert taken["gc_collections"] >= 1 and taken["gc_gen2"] >= 1
+    assert timeline.take()["engine_steps"] == 0
+    timeline.close()
+    assert eng.scheduler.schedule == schedule and "step" not in vars(eng)
+    assert timeline._on_gc not in gc.callbacks
+
+
+def _batch(rate: float, arm: str, median_ms: float, p99_ms: float, stall_ms: float) -> dict:
+    engine = {
+        "decode_steps": 100,
+        "decode_step_median_ms": median_ms,
+        "decode_step_p99_ms": p99_ms,
+        "decode_step_max_ms": p99_ms + 5,
+        "stall_steps": 1 if stall_ms else 0,
+        "stall_ms": stall_ms,
+        "gc_pause_ms": 2.0,
+    }
+    machine = {"steal_share": 0.0, "busy_share": 0.05, "gpu_util_pct": 90}
+    return {"arm": arm, "decode_tok_s": rate, "machine": machine, "engine": engine}
+
+
+def test_report_gives_each_arms_step_tail_and_links_stalls_to_slow_batches() -> None:
+    runs = [
+        {
+            "reps": [
+                _batch(5000.0, "on", 15.0, 40.0, 0.0),
+                _batch(3000.0, "off", 15.5, 20.0, 600.0),
+                _batch(4000.0, "off", 15.0, 21.0, 200.0),
+                _batch(4500.0, "on", 15.2, 44.0, 50.0),
+            ]
+        }
+    ]
+    tails = rep.step_tails(runs)
+    assert tails is not None
+    assert tails["on"]["decode_step_p99_ms"] == pytest.approx(42.0)
+    assert tails["off"]["decode_step_p99_ms"] == pytest.approx(20.5)
+    assert tails["on"]["decode_step_max_ms"] == pytest.approx(49.0)
+    assert tails["off"]["stall_ms"] == pytest.approx(800.0) and tails["off"]["stall_steps"] == 2
+    assert rep.step_tails([{"reps": [{"arm": "on", "decode_tok_s": 1.0}]}]) is None
+    link = rep.machine_link(runs)
+    assert link is not None
+    assert link["stall_ms"]["rank_corr_with_tok_s"] == pytest.approx(-1.0)
+    assert link["stall_ms"]["range"] == [0.0, 600.0]
