@@ -5,7 +5,9 @@ report."""
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,15 +49,58 @@ def test_timeline_times_the_engines_decode_steps_only_while_on(
     timeline.on = False
     taken = timeline.take()
     # One prompt step (its 70 tokens), then one token a step: 4 decode steps after the
-    # first token (the store's report may add steps that schedule nothing).
+    # first token, each timed from the output before it (the store's report may add
+    # steps that schedule nothing).
     assert taken["decode_steps"] == 4, taken
-    assert taken["engine_steps"] >= 5
+    assert taken["engine_steps"] >= 4
     assert 0 < taken["decode_step_median_ms"] <= taken["decode_step_max_ms"]
     assert taken["gc_collections"] >= 1 and taken["gc_gen2"] >= 1
     assert timeline.take()["engine_steps"] == 0
     timeline.close()
     assert eng.scheduler.schedule == schedule and "step" not in vars(eng)
     assert timeline._on_gc not in gc.callbacks
+
+
+class _QueueOfTwo:
+    """vLLM's EngineCore.step_with_batch_queue with a queue of two (async scheduling),
+    reduced to its protocol (the real one needs a model executor): a call schedules a
+    batch and returns (None, True) while the queue has room, else it also waits for the
+    oldest batch (here: sleeps its ``seconds``) and returns that batch's outputs."""
+
+    def __init__(self, batches: list[tuple[dict[str, int], float]]) -> None:
+        self.todo = list(batches)
+        self.queue: list[tuple[dict[str, int], float]] = []
+        self.scheduler = self
+
+    def schedule(self) -> SimpleNamespace:
+        self.queue.append(self.todo.pop(0))
+        return SimpleNamespace(num_scheduled_tokens=self.queue[-1][0])
+
+    def step_fn(self) -> tuple[dict[str, int] | None, bool]:
+        if self.todo:
+            self.scheduler.schedule()
+            if len(self.queue) < 2 and self.todo:
+                return None, True
+        tokens, seconds = self.queue.pop(0)
+        time.sleep(seconds)
+        return tokens, True
+
+
+def test_a_batch_queue_times_each_finished_batch_by_its_own_kind() -> None:
+    """With async scheduling a call either only schedules or returns the oldest batch's
+    outputs: each interval between outputs is classed by the batch it finished, not by
+    the one scheduled last (a prompt batch here takes 30 ms, a decode batch 2 ms)."""
+    prompt_batch, decode_batch = ({"a": 64, "b": 64}, 0.030), ({"a": 4, "b": 4}, 0.002)
+    core = _QueueOfTwo([prompt_batch, decode_batch, decode_batch, prompt_batch, decode_batch])
+    timeline = tl.EngineTimeline(core, max_decode_tokens=4)
+    timeline.on = True
+    while core.todo or core.queue:
+        core.step_fn()
+    taken = timeline.take()
+    # Five outputs, four intervals, ended by decode, decode, prompt, decode batches.
+    assert taken["engine_steps"] == 4 and taken["decode_steps"] == 3, taken
+    assert taken["decode_step_max_ms"] < 25, taken  # no prompt batch's 30 ms among them
+    timeline.close()
 
 
 def _batch(rate: float, arm: str, median_ms: float, p99_ms: float, stall_ms: float) -> dict:

@@ -8,15 +8,20 @@ user sees as inter-token latency: a store whose copy call holds the engine's thr
 (session 31: up to 42.5 ms in one ``wait_for_save`` call) shows as a slow step, which a
 batch's mean rate spreads thin. GC pauses are timed from ``gc.callbacks``.
 
-A decode step is one where no request was scheduled more than ``1 + num_speculative``
-tokens (no prompt chunk in it). With a batch queue (pipeline parallelism) a step is
-classed by the batch scheduled last, not the one it finished.
+A decode step's time is the interval between the engine's outputs (each step that
+returns a finished batch's results), so it holds the engine loop's own work around the
+step too, as a user's inter-token latency does, and it reads the same whether the engine
+steps one batch at a time or keeps a queue of two (async scheduling: each call either
+schedules one more batch and returns at once, or waits for the oldest). A step is a
+decode step when no request in the batch it finished was scheduled more than
+``1 + num_speculative`` tokens (no prompt chunk in it).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,9 +42,12 @@ class EngineTimeline:
     ) -> None:
         """``core.<step_attr>`` is what the engine calls once a step (EngineCore's
         ``step_fn``), ``core.scheduler`` its Scheduler."""
-        self.on = False
         self.max_decode_tokens = max_decode_tokens
-        self._decode_step = False
+        self._on = False
+        # Whether each batch scheduled and not yet finished is a decode batch, oldest
+        # first (kept while off too, so it stays aligned with the engine's queue).
+        self._scheduled: deque[bool] = deque()
+        self._last_output: float | None = None
         self._steps: list[tuple[float, bool]] = []
         self._gc: list[tuple[int, float]] = []
         self._gc_started: float | None = None
@@ -47,6 +55,15 @@ class EngineTimeline:
         self._wrap(core, step_attr, self._timed_step)
         self._wrap(core.scheduler, "schedule", self._classified_schedule)
         gc.callbacks.append(self._on_gc)
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        """Timing starts afresh: the first output after this begins the first interval."""
+        self._on, self._last_output = value, None
 
     def _wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:  # noqa: ANN401
         original = getattr(owner, name)
@@ -58,13 +75,18 @@ class EngineTimeline:
 
     def _timed_step(self, step: Callable[[], Any]) -> Callable[[], Any]:
         def timed() -> Any:  # noqa: ANN401
-            if not self.on:
-                return step()
-            start = time.perf_counter()
-            try:
-                return step()
-            finally:
-                self._steps.append((time.perf_counter() - start, self._decode_step))
+            result = step()
+            # EngineCore's steps return (outputs, executed); outputs None: it only
+            # scheduled one more batch, which finishes at a later call.
+            if isinstance(result, tuple) and result and result[0] is None:
+                return result
+            decode = self._scheduled.popleft() if self._scheduled else False
+            if self._on:
+                now = time.perf_counter()
+                if self._last_output is not None:
+                    self._steps.append((now - self._last_output, decode))
+                self._last_output = now
+            return result
 
         return timed
 
@@ -72,13 +94,13 @@ class EngineTimeline:
         def classified(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
             output = schedule(*args, **kwargs)
             tokens = output.num_scheduled_tokens.values()
-            self._decode_step = bool(tokens) and max(tokens) <= self.max_decode_tokens
+            self._scheduled.append(bool(tokens) and max(tokens) <= self.max_decode_tokens)
             return output
 
         return classified
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if not self.on:
+        if not self._on:
             return
         if phase == "start":
             self._gc_started = time.perf_counter()
