@@ -618,10 +618,11 @@ def test_prefill_pairs_time_what_stores_add_before_decoding() -> None:
         ("store_thread", "store_thread", True),
         ("store_decode_dma", "decode_stores_dma", True),
         ("store_decode_kernel", "decode_stores_dma", False),
+        ("store_staged", "store_staging_units", 8),
     ],
 )
 def test_a_store_variant_is_store_with_one_setting_of_its_own(
-    config: str, setting: str, value: bool
+    config: str, setting: str, value: bool | int
 ) -> None:
     """store_thread: the issuer thread; store_decode_dma / store_decode_kernel: decode
     steps' stores by DMA or not, whatever the pages. Each is `store` (the defaults) with

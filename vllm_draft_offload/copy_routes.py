@@ -177,12 +177,17 @@ class PairCopier:
         direction: Direction,
         stream: torch.cuda.Stream | None,
         path: CopyPath | None = None,
+        host_base: int | None = None,
     ) -> list[torch.Tensor]:
         """Copy every layer of a batch (a store): enqueued on ``stream``, or done now
-        (None: CPU), by ``path`` if given, else the engine's. Returns the tensors to keep
-        alive until the stream passes."""
+        (None: CPU), by ``path`` if given, else the engine's. ``host_base``: where slot 0
+        of the batch's host pages is, instead of the CPU tier's (the staged path's GPU
+        buffer, staged_stores.py; its pages must all go to the kernel). Returns the
+        tensors to keep alive until the stream passes."""
         order = self._layer_of_row  # table order: one launch per group
-        keepalive, picks, pairs = self._start(batch, direction, stream, path)
+        keepalive, picks, pairs = self._start(batch, direction, stream, path, host_base)
+        if host_base is not None and not all(picks):
+            raise ValueError("a batch into another buffer must go to the pair kernel whole")
         legacy = [i for i in range(len(order)) if not picks[i]]
         if legacy:
             descs = self._descriptors(batch, legacy, direction)
@@ -273,9 +278,10 @@ class PairCopier:
         direction: Direction,
         stream: torch.cuda.Stream | None,
         path: CopyPath | None = None,
+        host_base: int | None = None,
     ) -> tuple[list[torch.Tensor], list[bool], list[torch.Tensor]]:
         """Route the layers; upload every group's pairs (one table each) if any go to
-        the pair kernel."""
+        the pair kernel, their host side from ``host_base`` (None: the CPU tier's)."""
         picks = route_layers(self, batch, direction, path)
         if not any(picks):
             return [], picks, []
@@ -283,11 +289,12 @@ class PairCopier:
         keepalive: list[torch.Tensor] = []
         pairs: list[torch.Tensor] = []
         pool = self.copies.pool
+        base = pool.base if host_base is None else host_base
         for g, (pages, blocks) in enumerate(zip(batch.host_pages, batch.gpu_blocks, strict=True)):
             per_unit = self.copies.regions[self.copies.group_rows[g][0]].pages_per_unit
             slots, page_in_unit = np.divmod(pages, per_unit)
             held = self.kernel.upload(
-                pair_table(pool.base + slots * pool.unit_bytes, page_in_unit, blocks), stream
+                pair_table(base + slots * pool.unit_bytes, page_in_unit, blocks), stream
             )
             if stream is not None:  # on CPU the copies are done on return
                 keepalive += held

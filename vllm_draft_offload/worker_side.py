@@ -36,6 +36,7 @@ from vllm_draft_offload.metadata import (
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.overlap_loads import OverlapLoads, remembered_fetches
+from vllm_draft_offload.staged_stores import StagedStores
 from vllm_draft_offload.store_issuer import StoreBatch, StoreIssuer
 from vllm_draft_offload.transfers import (
     HostPool,
@@ -89,6 +90,7 @@ class DraftOffloadWorker(WorkerLoads):
         self.copier: CopyEngine | None = None
         self.pair_copier: PairCopier | None = None  # CPU-tier loads and stores
         self._decode_stores_dma = False  # resolved from the pages in register_kv_caches
+        self._staged: StagedStores | None = None  # store_staging_units
         self.regions: list[LayerRegion] = []
         self._copies: UnitCopies | None = None
         self._aliases: dict[str, str] = {}
@@ -143,6 +145,10 @@ class DraftOffloadWorker(WorkerLoads):
         page_bytes = [slot.page_bytes for slot in layout.layers]
         self.copier = CopyEngine(self.config.copy_path, self.pool, page_bytes, self._on_device)
         self.pair_copier = PairCopier(self._copies, self.copier)
+        if self.config.store_staging_units:
+            self._staged = StagedStores(
+                self.pair_copier, self.config.store_staging_units, self._on_device
+            )
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
@@ -271,7 +277,7 @@ class DraftOffloadWorker(WorkerLoads):
         lead = batch.stores[0]
         if batch.ready is None:
             started = time.perf_counter()
-            self.pair_copier.run(batch.pairs, "store", None, batch.path)
+            self._run_stores(batch, None)
             lead.host_seconds = time.perf_counter() - started
             return
         stream = self._store_stream
@@ -279,12 +285,23 @@ class DraftOffloadWorker(WorkerLoads):
         stream.wait_event(batch.ready)
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        keepalive = self.pair_copier.run(batch.pairs, "store", stream, batch.path)
+        keepalive = self._run_stores(batch, stream)
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         lead.start, lead.keepalive = start, keepalive
         for store in batch.stores:
             store.event = end
+
+    def _run_stores(
+        self, batch: StoreBatch, stream: torch.cuda.Stream | None
+    ) -> list[torch.Tensor]:
+        """A batch's copy: staged where store_staging_units is on and can take it, else
+        by its route."""
+        assert self.pair_copier is not None
+        slots = self._staged.slots(batch.pairs) if self._staged is not None else None
+        if self._staged is not None and slots is not None:
+            return self._staged.run(batch.pairs, slots, stream)
+        return self.pair_copier.run(batch.pairs, "store", stream, batch.path)
 
     def _retire_store(self, store: InflightStore) -> None:
         """A store copy completed (or was never run): time it, then report or park it."""

@@ -167,8 +167,9 @@
 #             on the kernel), store_decode_kernel (every store on the kernel, the default
 #             before) and store_thread (the default with the copies issued off the
 #             engine's thread: session 31's decode-step DMA calls held wait_for_save up to
-#             22.6-42.5 ms a batch), 12 pairs each, hooks timed (about 12 min,
-#             estimated): /root/decode_8b_b64_default.json
+#             22.6-42.5 ms a batch) and store_staged (store_staging_units 8: gathered
+#             into a GPU buffer by the kernel, one DMA a unit), 12 pairs each, hooks
+#             timed (about 16 min, estimated): /root/decode_8b_b64_default.json
 #   decode-small-b64  decode-overhead at the small shape (32 KiB pages: stores on the
 #             kernel), 64 requests a batch, none and store, 12 pairs each, hooks and
 #             decode steps timed (about 5 min, estimated): /root/decode_small_b64.json
@@ -442,7 +443,8 @@ declare -A CMD=(
       --configs store,store_decode_dma --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
       --engine-timeout 600 --out /root/decode_8b_b64_phase.json"
   [decode-8b-b64-default]="vllm-draft-offload decode-overhead --shape llama8b \
-      --configs store,store_decode_kernel,store_thread --reps 12 --batch 64 --turn-prompts 0 \
+      --configs store,store_decode_kernel,store_thread,store_staged --reps 12 --batch 64 \
+      --turn-prompts 0 \
       --time-hooks --engine-timeout 600 --out /root/decode_8b_b64_default.json"
   [decode-small-b64]="vllm-draft-offload decode-overhead --shape small --configs none,store \
       --reps 12 --batch 64 --turn-prompts 0 --time-hooks --engine-timeout 600 \

@@ -18,6 +18,7 @@ CONFIGS = (
     "store_thread",
     "store_decode_dma",
     "store_decode_kernel",
+    "store_staged",
 )
 # `store` with its copies forced onto one path (copy_path memcpy or kernel), so one run
 # shows side by side what each path's stores cost decode (session 15, H100, 8B shape:
@@ -37,6 +38,9 @@ EXTRA_SETTINGS: dict[str, dict[str, Any]] = {
     "store_thread": {"store_thread": True},
     "store_decode_dma": {"decode_stores_dma": True},
     "store_decode_kernel": {"decode_stores_dma": False},
+    # every store through a GPU buffer of 8 units (8B shape: 302 MB): gathered there by
+    # the pair kernel, then one DMA a unit (staged_stores.py)
+    "store_staged": {"store_staging_units": 8},
 }
 
 

@@ -29,7 +29,9 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
 * ``store_decode_dma`` / ``store_decode_kernel``: ``store`` with ``decode_stores_dma``
   on (a decode-only step's stores by DMA, a step's with prompt tokens as ``copy_path``
   says) or off (every store as ``copy_path`` says). ``store`` itself takes the default,
-  which is on where every page is at least 48 KiB (the 8B shape) and off below.
+  which is on where every page is at least 48 KiB (the 8B shape) and off below;
+* ``store_staged``: ``store`` with ``store_staging_units`` 8: every store gathered by
+  the pair kernel into a GPU buffer, then one DMA a unit.
 
 Besides decode tokens/s, each pair gives its batches' prefill seconds, storing over
 opting out (``paired_prefill``; the table's ``prefill_on_vs_off``): a batch's wall time

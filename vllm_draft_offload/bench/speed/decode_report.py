@@ -52,6 +52,7 @@ STORING = (
     "store_thread",
     "store_decode_dma",
     "store_decode_kernel",
+    "store_staged",
 )
 
 

@@ -1,0 +1,75 @@
+"""store_staging_units: the pair kernel gathers each stored unit into a GPU-side buffer,
+then one copy a unit moves it to its host slot (staged_stores.py). Through the real vLLM
+Scheduler on CPU tensors (kv_sim): every store batch it can take goes staged, in waves
+when a batch has more units than the buffer, and what it stored restores bit for bit,
+target and draft layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kv_sim import SimEngine, SimSetup, prompt
+
+from vllm_draft_offload.staged_stores import StagedStores
+from vllm_draft_offload.transfers import PairBatch
+
+CHUNK = 32
+
+
+def _staged_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of units of every batch that went staged."""
+    units: list[int] = []
+    run = StagedStores.run
+
+    def counted(self, batch, slots, stream):  # noqa: ANN001, ANN202
+        units.append(len(slots))
+        return run(self, batch, slots, stream)
+
+    monkeypatch.setattr(StagedStores, "run", counted)
+    return units
+
+
+@pytest.mark.parametrize("buffer_units", [1, 8])
+def test_staged_stores_restore_bit_exact(
+    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, buffer_units: int
+) -> None:
+    units = _staged_runs(monkeypatch)
+    extra = {"store_decode": True, "store_staging_units": buffer_units}
+    eng = SimEngine(*model_dirs, SimSetup(extra_config=extra))
+    staged = eng.worker.worker._staged
+    assert staged is not None and staged.units == buffer_units
+    tokens = prompt(31, 3 * CHUNK + 5)
+    eng.add_request("a", tokens, max_tokens=CHUNK + 8)  # a decode step completes a chunk
+    eng.run_until_done()
+    # The prompt's three units in one batch (in three waves of one with a 1-unit buffer),
+    # then the decoded one.
+    assert units == [3, 1], units
+    eng.evict_gpu_kv()
+    eng.add_request("turn2", [*tokens, *eng.outputs["a"], *prompt(32, 9)], max_tokens=1)
+    eng.run_prefill("turn2")
+    assert eng.external_hits["turn2"] >= 4 * CHUNK
+    assert eng.mismatched_positions("turn2") == []
+
+
+def test_off_by_default_and_batches_it_cannot_take_keep_their_route(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_decode": True}))
+    assert eng.worker.worker._staged is None
+    eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_staging_units": 2}))
+    staged = eng.worker.worker._staged
+    assert staged is not None
+    per_unit = staged._per_unit
+    whole = PairBatch(
+        [np.arange(2 * n, 4 * n) for n in per_unit],  # slots 2 and 3, every page
+        [np.arange(2 * n) + 1 for n in per_unit],
+    )
+    assert staged.slots(whole).tolist() == [2, 3]
+    # A unit missing a page: the DMA of its whole slot would write pages not stored.
+    cut = PairBatch([p[:-1] for p in whole.host_pages], [b[:-1] for b in whole.gpu_blocks])
+    assert staged.slots(cut) is None
+    # A layer the pair kernel cannot move (here: all of them) keeps the usual route.
+    staged.copier.fits = [False] * len(staged.copier.fits)
+    assert staged.slots(whole) is None

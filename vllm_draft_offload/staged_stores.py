@@ -1,0 +1,102 @@
+"""Stores through a GPU staging buffer (``store_staging_units``, off by default).
+
+The two store paths each cost decode something at a real shape (H200, 8B shape, 64
+requests a batch). The pair kernel writes the host pages from the SMs, so its programs
+likely hold SMs for the whole PCIe transfer, beside the decode steps (decode 0.947 x,
+53 pairs). DMA leaves the SMs alone, but a decode-built chunk's pages do not merge
+(requests decoding in lockstep take their new blocks in turn), so a step storing 64
+units hands the driver one copy a page, 36,864 of them, and the call held the engine's
+thread up to 42.5 ms a batch (session 31).
+
+Staged, the pair kernel gathers each unit's pages into a unit-shaped slot of a GPU
+buffer, at device-memory speed (a unit of 37.7 MB in well under a millisecond of SM
+time), and one DMA a unit then moves that slot, contiguous, to the unit's host slot: a
+few launches and one copy call a unit, neither holding SMs through the transfer nor
+handing the driver a copy a page. The buffer holds ``units`` slots; a larger batch goes
+in waves on the same stream, so a wave's gather starts after the previous wave's DMA
+has drained its slots.
+
+It applies to a batch only where the pair kernel can move every layer and every unit of
+the batch is stored whole (each group's every page of it), since the DMA writes the
+whole host slot; any other batch takes its usual route. The buffer is GPU memory beyond
+what vLLM sized its KV cache from (``units`` x a unit's bytes). Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from vllm_draft_offload.copy_routes import PairCopier
+from vllm_draft_offload.transfers import PairBatch
+
+
+class StagedStores:
+    """A worker's staged store path over its pair copier."""
+
+    def __init__(self, copier: PairCopier, units: int, on_device: bool) -> None:
+        self.copier = copier
+        self.units = units
+        pool = copier.copies.pool
+        self.unit_bytes = pool.unit_bytes
+        # Zeroed: a slot's bytes between layers (alignment) reach the host slot too.
+        device = "cuda" if on_device else "cpu"
+        self.buffer = torch.zeros(units * pool.unit_bytes, dtype=torch.uint8, device=device)
+        self.base = self.buffer.data_ptr()
+        self._per_unit = [
+            copier.copies.regions[rows[0]].pages_per_unit for rows in copier.copies.group_rows
+        ]
+
+    def slots(self, batch: PairBatch) -> np.ndarray | None:
+        """The host slots a batch stores, ascending, when the staged path can move it:
+        the pair kernel takes every layer, and each slot's every page of every group is
+        in the batch. None otherwise."""
+        if self.copier.kernel is None or not all(self.copier.fits):
+            return None
+        slots: np.ndarray | None = None
+        for pages, per_unit in zip(batch.host_pages, self._per_unit, strict=True):
+            found, counts = np.unique(pages // per_unit, return_counts=True)
+            if len(np.unique(pages)) != len(pages) or (counts != per_unit).any():
+                return None
+            if slots is None:
+                slots = found
+            elif not np.array_equal(slots, found):
+                return None
+        return slots if slots is not None and len(slots) else None
+
+    def run(
+        self, batch: PairBatch, slots: np.ndarray, stream: torch.cuda.Stream | None
+    ) -> list[torch.Tensor]:
+        """Store ``batch`` (whose ``slots`` says it can go staged): per wave of up to
+        ``units`` slots, the kernel gathers them into the buffer, then one copy a slot
+        moves it to the host. Enqueued on ``stream`` (done now on CPU); returns what to
+        keep alive until the stream passes."""
+        keepalive: list[torch.Tensor] = []
+        pool = self.copier.copies.pool
+        for start in range(0, len(slots), self.units):
+            wave = slots[start : start + self.units]
+            keepalive += self.copier.run(
+                self._into_buffer(batch, wave), "store", stream, "kernel", self.base
+            )
+            context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with context:
+                for index, slot in enumerate(wave):
+                    staged = self.buffer[index * self.unit_bytes : (index + 1) * self.unit_bytes]
+                    pool.unit_view(int(slot)).copy_(staged, non_blocking=stream is not None)
+        return keepalive
+
+    def _into_buffer(self, batch: PairBatch, wave: np.ndarray) -> PairBatch:
+        """The wave's pairs with each host page renumbered into the buffer's slots (the
+        wave's i-th slot becomes buffer slot i)."""
+        host_pages, gpu_blocks = [], []
+        for pages, blocks, per_unit in zip(
+            batch.host_pages, batch.gpu_blocks, self._per_unit, strict=True
+        ):
+            slot, page_in_unit = np.divmod(pages, per_unit)
+            index = np.searchsorted(wave, slot)
+            mine = (index < len(wave)) & (wave[np.minimum(index, len(wave) - 1)] == slot)
+            host_pages.append(index[mine] * per_unit + page_in_unit[mine])
+            gpu_blocks.append(blocks[mine])
+        return PairBatch(host_pages, gpu_blocks)
