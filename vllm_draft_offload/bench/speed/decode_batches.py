@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_draft_offload.bench.speed.decode_report import STORING
+from vllm_draft_offload.bench.speed.decode_configs import STORING
 from vllm_draft_offload.bench.speed.shapes import VOCAB
 
 FIRST_TOKEN = 500  # token ids below this are left alone (specials of real vocabularies)

@@ -42,6 +42,9 @@ EXTRA_SETTINGS: dict[str, dict[str, Any]] = {
     # the pair kernel, then one DMA a unit (staged_stores.py)
     "store_staged": {"store_staging_units": 8},
 }
+# Engines that store, whose paired off batches opt out of stores (decode_batches.arm_params):
+# `store` and its variants.
+STORING = ("store", *FORCED_COPY_PATH, *EXTRA_SETTINGS)
 
 
 def connector_config(

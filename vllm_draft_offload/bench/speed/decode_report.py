@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_draft_offload.bench.speed.decode_configs import STORING
+
 GOAL = 0.97
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -42,18 +44,6 @@ def decode_rate(requests: list[dict[str, Any]]) -> dict[str, Any]:
 def acceptance_length(counters: dict[str, float]) -> float | None:
     drafts = counters.get(DRAFTS, 0.0)
     return 1.0 + counters.get(ACCEPTED, 0.0) / drafts if drafts > 0 else None
-
-
-# Engines whose paired off batches opt out of stores (decode_batches.arm_params).
-STORING = (
-    "store",
-    "store_dma",
-    "store_kernel",
-    "store_thread",
-    "store_decode_dma",
-    "store_decode_kernel",
-    "store_staged",
-)
 
 
 def arm_reps(runs: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
