@@ -73,3 +73,31 @@ def test_off_by_default_and_batches_it_cannot_take_keep_their_route(
     # A layer the pair kernel cannot move (here: all of them) keeps the usual route.
     staged.copier.fits = [False] * len(staged.copier.fits)
     assert staged.slots(whole) is None
+
+
+def test_decode_built_chunks_do_not_merge_which_is_why_staging_exists(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    """vLLM's own block pool, requests decoding in lockstep: each takes its next block
+    in turn, so a chunk built while decoding has no two adjacent blocks (one DMA copy a
+    page), where a prompt's chunk is one run. If vLLM ever allocates otherwise, the
+    reason for store_staging_units (staged_stores.py) is gone."""
+    eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_decode": True}))
+    runs: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    execute = eng.execute
+
+    def capture(sched_out):  # noqa: ANN001, ANN202
+        meta = sched_out.kv_connector_metadata
+        for job in meta.stores:
+            for blocks in job.gpu_blocks:
+                blocks = np.asarray(blocks)
+                breaks = int(np.sum(np.diff(blocks) != 1)) if len(blocks) else 0
+                runs[meta.prompt_step].append((len(blocks), 1 + breaks))
+        return execute(sched_out)
+
+    eng.execute = capture  # type: ignore[method-assign]
+    for i in range(8):
+        eng.add_request(f"r{i}", prompt(100 + i, CHUNK + 8), max_tokens=3 * CHUNK)
+    eng.run_until_done()
+    assert runs[True] and all(count == 1 for _, count in runs[True]), runs[True]
+    assert runs[False] and all(count == blocks > 1 for blocks, count in runs[False]), runs[False]

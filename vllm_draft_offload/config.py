@@ -192,16 +192,18 @@ class DraftOffloadConfig(BaseModel):
     # on the pair kernel stores cost decode about 5 % (0.947, 53 pairs) and the prefill
     # phase nothing (1.005); on DMA decode nothing (1.033, 36 pairs) but the prefill
     # phase 1.10-1.13 x. By phase (H200, session 31, 12 pairs beside 12 on the kernel):
-    # decode 1.006 against 0.966, the prefill phase 1.035 against 1.031. None (default):
-    # on under copy_path auto when every layer's page is one DMA stores well
-    # (copy_rules.DECODE_STORE_DMA_MIN_PAGE_BYTES), else off; a forced copy_path is kept.
+    # decode 1.006 against 0.966, the prefill phase 1.035 against 1.031 (one run). None
+    # (default): on under copy_path auto when every layer's page is at least
+    # copy_rules.DECODE_STORE_DMA_MIN_PAGE_BYTES (48 KiB; measured at 64 KiB), else off;
+    # a forced copy_path is kept.
     decode_stores_dma: bool | None = None
     # Stores through a GPU buffer of this many units (0: off, the default; not yet run on
     # a GPU): the pair kernel gathers each unit's pages into it at device speed, then one
     # DMA a unit moves it to the host, so no copy holds SMs through the PCIe transfer
     # and the driver gets a copy a unit, not a page (staged_stores.py). For every store
-    # batch it can take (every layer on the kernel, units stored whole), whatever
-    # decode_stores_dma says. GPU memory beyond vLLM's KV cache: units x a unit's bytes.
+    # batch it can take (the kernel can move every layer, units stored whole), whatever
+    # copy_path and decode_stores_dma say. GPU memory beyond vLLM's KV cache: units x a
+    # unit's bytes.
     store_staging_units: int = Field(default=0, ge=0, le=1024)
     l3: L3Config = Field(default_factory=L3Config)
     # Mixed into every key: bumping it makes everything stored under another

@@ -50,10 +50,11 @@ class AutoRule:
         return {"max_bytes": self.max_bytes, "min_count": self.min_count}
 
 
-# The smallest page a decode step's stores go to DMA for by default (decode_stores_dma):
-# DMA first stored at 0.6 x pinned memcpy or more at 48 KiB pages (0.70 x; 32 KiB 0.49 x;
-# results/gpu/session5_h100/copy_speed.json). Smaller pages stay on the kernel, where
-# per-copy overhead does not bound them.
+# The smallest page a decode step's stores go to DMA for by default (decode_stores_dma).
+# Measured at 64 KiB (the 8B shape, session 31); below 48 KiB DMA stored slowly (32 KiB
+# and below 0.05-0.49 x pinned memcpy, results/gpu/session5_h100/copy_speed.json; 48 KiB
+# 0.70 x but 64 KiB 0.57 x in that run), so smaller pages stay on the kernel. 48 KiB is
+# session 28's DMA floor for stores.
 DECODE_STORE_DMA_MIN_PAGE_BYTES = 48 * 1024
 
 

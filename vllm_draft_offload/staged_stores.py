@@ -5,12 +5,13 @@ requests a batch). The pair kernel writes the host pages from the SMs, so its pr
 likely hold SMs for the whole PCIe transfer, beside the decode steps (decode 0.947 x,
 53 pairs). DMA leaves the SMs alone, but a decode-built chunk's pages do not merge
 (requests decoding in lockstep take their new blocks in turn), so a step storing 64
-units hands the driver one copy a page, 36,864 of them, and the call held the engine's
-thread up to 42.5 ms a batch (session 31).
+units hands the driver one copy a page, 36,864 of them at the 8B shape. With decode
+steps' stores on DMA, a storing batch's longest ``wait_for_save`` call was 22.6-42.5 ms
+(session 31; which steps held it is not recorded).
 
 Staged, the pair kernel gathers each unit's pages into a unit-shaped slot of a GPU
-buffer, at device-memory speed (a unit of 37.7 MB in well under a millisecond of SM
-time), and one DMA a unit then moves that slot, contiguous, to the unit's host slot: a
+buffer, device memory to device memory (not yet timed on a GPU), and one DMA a unit
+then moves that slot, contiguous, to the unit's host slot: a
 few launches and one copy call a unit, neither holding SMs through the transfer nor
 handing the driver a copy a page. The buffer holds ``units`` slots; a larger batch goes
 in waves on the same stream, so a wave's gather starts after the previous wave's DMA

@@ -150,15 +150,17 @@
 #             sessions 19-23 at 16 requests) are one call (about 9 min, estimated):
 #             /root/decode_8b_b64_hooks.json
 #   decode-8b-b64-thread  decode-overhead at the 8B shape, 64 requests a batch, store (the
-#             default: stores on the pair kernel again since session 29), store_dma and
+#             default when session 30 ran it: stores on the pair kernel; since session 31
+#             decode-only steps store by DMA at this shape), store_dma and
 #             store_thread (store_thread on: store copies issued off the engine's thread;
 #             DMA at this shape only with copy_path memcpy, so run it with --copy-path
 #             memcpy in a second engine too), 8 pairs each, hooks timed: decode and the
 #             batches' prefill (paired_prefill) side by side (about 12 min, estimated):
 #             /root/decode_8b_b64_thread.json
-#   decode-8b-b64-phase  decode-overhead at the 8B shape, 64 requests a batch, store (the
-#             default: stores on the pair kernel) and store_decode_dma (decode-only steps'
-#             stores by DMA, the others on the kernel), 12 pairs each, hooks timed: whether
+#   decode-8b-b64-phase  decode-overhead at the 8B shape, 64 requests a batch,
+#             store_decode_kernel (every store on the pair kernel; session 31 ran this as
+#             store, the default then) and store_decode_dma (decode-only steps' stores by
+#             DMA, the others on the kernel), 12 pairs each, hooks timed: whether
 #             the kernel's prefill (1.005 x, 53 pairs) and DMA's decode (1.033, 36 pairs)
 #             add up, decode and prefill paired (H200, session 31: 8.2 min with setup):
 #             /root/decode_8b_b64_phase.json
@@ -166,13 +168,13 @@
 #             (the default since session 31: decode-only steps' stores by DMA, the others
 #             on the kernel), store_decode_kernel (every store on the kernel, the default
 #             before) and store_thread (the default with the copies issued off the
-#             engine's thread: session 31's decode-step DMA calls held wait_for_save up to
-#             22.6-42.5 ms a batch) and store_staged (store_staging_units 8: gathered
+#             engine's thread: in session 31 a storing batch's longest wait_for_save call
+#             was 22.6-42.5 ms with decode steps on DMA) and store_staged (store_staging_units 8: gathered
 #             into a GPU buffer by the kernel, one DMA a unit), 12 pairs each, hooks
 #             timed (about 16 min, estimated): /root/decode_8b_b64_default.json
 #   decode-small-b64  decode-overhead at the small shape (32 KiB pages: stores on the
-#             kernel), 64 requests a batch, none and store, 12 pairs each, hooks and
-#             decode steps timed (about 5 min, estimated): /root/decode_small_b64.json
+#             kernel), 64 requests a batch, none and store, 12 pairs each, decode steps
+#             timed (and store's hooks) (about 5 min, estimated): /root/decode_small_b64.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -440,8 +442,8 @@ declare -A CMD=(
       --copy-path memcpy --reps 8 --batch 64 --turn-prompts 0 --time-hooks \
       --engine-timeout 600 --out /root/decode_8b_b64_thread_dma.json"
   [decode-8b-b64-phase]="vllm-draft-offload decode-overhead --shape llama8b \
-      --configs store,store_decode_dma --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
-      --engine-timeout 600 --out /root/decode_8b_b64_phase.json"
+      --configs store_decode_kernel,store_decode_dma --reps 12 --batch 64 --turn-prompts 0 \
+      --time-hooks --engine-timeout 600 --out /root/decode_8b_b64_phase.json"
   [decode-8b-b64-default]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs store,store_decode_kernel,store_thread,store_staged --reps 12 --batch 64 \
       --turn-prompts 0 \

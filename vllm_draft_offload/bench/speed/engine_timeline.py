@@ -2,11 +2,12 @@
 its decode steps' wall times and the garbage collector's pauses.
 
 A batch's decode tokens/s alone cannot tell a batch whose every step ran slower from
-one that stalled a few times (H200, sessions 30-31: pairs of batches 0.57-1.44 apart
+one that stalled a few times (H200, sessions 30-31: pairs of batches 0.57-1.46 apart
 with the GPU 56-100 % busy). Step times tell them apart, and their tail is what a
 user sees as inter-token latency: a store whose copy call holds the engine's thread
-(session 31: up to 42.5 ms in one ``wait_for_save`` call) shows as a slow step, which a
-batch's mean rate spreads thin. GC pauses are timed from ``gc.callbacks``.
+(session 31, decode-step stores by DMA: a storing batch's longest ``wait_for_save``
+call 22.6-42.5 ms, of which steps not recorded) shows as a slow step, which a batch's
+mean rate spreads thin. GC pauses are timed from ``gc.callbacks``.
 
 A decode step's time is the interval between the engine's outputs (each step that
 returns a finished batch's results), so it holds the engine loop's own work around the

@@ -263,20 +263,26 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         into.setdefault(f"{prefix}hit_cached", []).append(cached)
 
     def short_hit(rep: int, chunks: int, fresh_seed: int) -> None:
-        """A prompt whose first `chunks` chunks are prompt `rep`'s (in the CPU tier, not
-        in the GPU cache) and whose other chunks are new (``short_hit_s``), then a fresh
-        prompt as long as what that hit computes (``odd_fresh_s``): does a hit of a few
-        chunks cost its prefill more than it saves, and does only an engine's first
-        prefill of a new length (session 14: 27 ms for the first 16k one)?"""
-        empty_gpu_cache()
+        """A fresh prompt as long as what the short hit computes (``odd_fresh_s``), its
+        writes let settle, then the short hit: a prompt whose first `chunks` chunks are
+        prompt `rep`'s (in the CPU tier, not in the GPU cache) and whose other chunks are
+        new (``short_hit_s``). Does a hit of a few chunks cost its prefill more than it
+        saves? In this order an engine's first prefill of the new length (session 14: 27
+        ms for a first 16k one) falls on the fresh prompt at rep 0, not on the hit, so a
+        first-time cost the hit still shows is the partial hit's own (session 31 ran
+        the hit first and could not tell the two apart)."""
         kept = chunks * args.chunk_size
+        computed_units = (args.tokens - kept) // args.chunk_size
+        fresh(fresh_seed + 90 + rep, "odd_fresh_s", args.tokens - kept)
+        short_units[0] += computed_units
+        settle_writes()
+        empty_gpu_cache()
         head = prompt(rep)["prompt_token_ids"][:kept]
         tail = prompt(fresh_seed + 80 + rep)["prompt_token_ids"][kept:]
         hit_s, cached = timed(TokensPrompt(prompt_token_ids=head + tail), label="short_hit_s")
         results.setdefault("short_hit_s", []).append(hit_s)
         results.setdefault("short_hit_cached", []).append(cached)
-        fresh(fresh_seed + 90 + rep, "odd_fresh_s", args.tokens - kept)
-        short_units[0] += 2 * ((args.tokens - kept) // args.chunk_size)
+        short_units[0] += computed_units
 
     if is_restart(args.config):
         # Prompts neither the fill engine nor another restart wrote to storage.
