@@ -101,3 +101,16 @@ def test_decode_built_chunks_do_not_merge_which_is_why_staging_exists(
     eng.run_until_done()
     assert runs[True] and all(count == 1 for _, count in runs[True]), runs[True]
     assert runs[False] and all(count == blocks > 1 for blocks, count in runs[False]), runs[False]
+
+
+def test_no_buffer_where_the_kernel_cannot_move_every_layer(
+    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No GPU memory is spent on a buffer no batch could use: without the pair kernel
+    (here its build refused) the setting is ignored, with a warning."""
+    from vllm_draft_offload import copy_routes
+
+    monkeypatch.setattr(copy_routes, "fits_kernel", lambda *args: False)
+    eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_staging_units": 2}))
+    assert eng.worker.worker.pair_copier.kernel is None
+    assert eng.worker.worker._staged is None

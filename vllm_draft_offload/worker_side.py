@@ -146,9 +146,15 @@ class DraftOffloadWorker(WorkerLoads):
         self.copier = CopyEngine(self.config.copy_path, self.pool, page_bytes, self._on_device)
         self.pair_copier = PairCopier(self._copies, self.copier)
         if self.config.store_staging_units:
-            self._staged = StagedStores(
-                self.pair_copier, self.config.store_staging_units, self._on_device
-            )
+            if self.pair_copier.kernel is not None and all(self.pair_copier.fits):
+                self._staged = StagedStores(
+                    self.pair_copier, self.config.store_staging_units, self._on_device
+                )
+            else:  # no GPU memory for a buffer no batch could use
+                logger.warning(
+                    "DraftOffloadConnector: store_staging_units ignored: the pair kernel "
+                    "cannot move every layer here"
+                )
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
