@@ -114,3 +114,24 @@ def test_no_buffer_where_the_kernel_cannot_move_every_layer(
     eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_staging_units": 2}))
     assert eng.worker.worker.pair_copier.kernel is None
     assert eng.worker.worker._staged is None
+
+
+def test_staged_units_reach_storage_and_restore_after_a_restart(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What went staged into the CPU tier is what storage gets (fs://): a restarted
+    engine, staging off, restores it bit-exact, target and draft."""
+    from test_l3_tier import fill_l3, l3_engine
+
+    units = _staged_runs(monkeypatch)
+    url = f"fs://{tmp_path / 'l3'}"
+    tokens = prompt(41, 3 * CHUNK + 9)
+    fill_l3(model_dirs, url, tokens, extra_config={"store_staging_units": 2})
+    assert units and sum(units) >= 3, units
+    second = l3_engine(model_dirs, url)
+    second.add_request("after-restart", tokens, max_tokens=1)
+    second.run_prefill("after-restart")
+    assert second.external_hits["after-restart"] == 3 * CHUNK
+    assert second.take_published()["hits"]["l3"] == 3
+    assert second.mismatched_positions("after-restart") == []
+    second.worker.shutdown()
