@@ -93,9 +93,9 @@ def route_layers(
     if count < rule.min_count:
         return [False] * len(regions)
     runs = [
-        longest_runs(pages, blocks, copier.copies.regions[rows[0]].pages_per_unit)
-        for pages, blocks, rows in zip(
-            batch.host_pages, batch.gpu_blocks, copier.copies.group_rows, strict=True
+        longest_runs(pages, blocks, per_unit)
+        for pages, blocks, per_unit in zip(
+            batch.host_pages, batch.gpu_blocks, copier.copies.group_pages_per_unit, strict=True
         )
     ]
     for i, region in enumerate(regions):
@@ -161,6 +161,12 @@ class PairCopier:
                         exc,
                     )
                     self.kernel = None
+
+    @property
+    def moves_every_layer(self) -> bool:
+        """Whether the pair kernel is here and can move every layer (none left to the
+        descriptor path whatever the route)."""
+        return self.kernel is not None and all(self.fits)
 
     def batch_bytes(self, batch: PairBatch) -> tuple[int, int]:
         """(all bytes, draft layers' bytes) of a batch."""
@@ -290,8 +296,9 @@ class PairCopier:
         pairs: list[torch.Tensor] = []
         pool = self.copies.pool
         base = pool.base if host_base is None else host_base
-        for g, (pages, blocks) in enumerate(zip(batch.host_pages, batch.gpu_blocks, strict=True)):
-            per_unit = self.copies.regions[self.copies.group_rows[g][0]].pages_per_unit
+        for pages, blocks, per_unit in zip(
+            batch.host_pages, batch.gpu_blocks, self.copies.group_pages_per_unit, strict=True
+        ):
             slots, page_in_unit = np.divmod(pages, per_unit)
             held = self.kernel.upload(
                 pair_table(base + slots * pool.unit_bytes, page_in_unit, blocks), stream

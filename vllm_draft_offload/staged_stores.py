@@ -46,15 +46,13 @@ class StagedStores:
         device = "cuda" if on_device else "cpu"
         self.buffer = torch.zeros(units * pool.unit_bytes, dtype=torch.uint8, device=device)
         self.base = self.buffer.data_ptr()
-        self._per_unit = [
-            copier.copies.regions[rows[0]].pages_per_unit for rows in copier.copies.group_rows
-        ]
+        self._per_unit = copier.copies.group_pages_per_unit
 
     def slots(self, batch: PairBatch) -> np.ndarray | None:
         """The host slots a batch stores, ascending, when the staged path can move it:
         the pair kernel takes every layer, and each slot's every page of every group is
         in the batch. None otherwise."""
-        if self.copier.kernel is None or not all(self.copier.fits):
+        if not self.copier.moves_every_layer:
             return None
         slots: np.ndarray | None = None
         for pages, per_unit in zip(batch.host_pages, self._per_unit, strict=True):

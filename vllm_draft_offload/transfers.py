@@ -172,6 +172,8 @@ class UnitCopies:
             [i for i, r in enumerate(regions) if r.group_index == g] for g in range(num_groups)
         ]
         self.group_rows = self._rows  # each group's region indices, in region order
+        # Each group's pages in a unit: host page p is page p % n of slot p // n.
+        self.group_pages_per_unit = [regions[rows[0]].pages_per_unit for rows in self._rows]
 
         def column(values: list[int]) -> np.ndarray:
             return np.array(values, dtype=np.int64).reshape(-1, 1)

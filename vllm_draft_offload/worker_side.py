@@ -146,7 +146,7 @@ class DraftOffloadWorker(WorkerLoads):
         self.copier = CopyEngine(self.config.copy_path, self.pool, page_bytes, self._on_device)
         self.pair_copier = PairCopier(self._copies, self.copier)
         if self.config.store_staging_units:
-            if self.pair_copier.kernel is not None and all(self.pair_copier.fits):
+            if self.pair_copier.moves_every_layer:
                 self._staged = StagedStores(
                     self.pair_copier, self.config.store_staging_units, self._on_device
                 )
@@ -304,9 +304,10 @@ class DraftOffloadWorker(WorkerLoads):
         """A batch's copy: staged where store_staging_units is on and can take it, else
         by its route."""
         assert self.pair_copier is not None
-        slots = self._staged.slots(batch.pairs) if self._staged is not None else None
-        if self._staged is not None and slots is not None:
-            return self._staged.run(batch.pairs, slots, stream)
+        if self._staged is not None:
+            slots = self._staged.slots(batch.pairs)
+            if slots is not None:
+                return self._staged.run(batch.pairs, slots, stream)
         return self.pair_copier.run(batch.pairs, "store", stream, batch.path)
 
     def _retire_store(self, store: InflightStore) -> None:
