@@ -7,9 +7,10 @@ A request that gives storage up as too slow cancels its fetches (``cancel``): th
 yet sent are dropped here, the others go to the workers, which skip the ones they have not
 started and stop those they are reading within a piece (fs://). The recompute that follows
 then does not compete with dozens of reads for the cores and the GIL, which made it
-0.03–0.08 s slower than the engine's other prefills on an H100 (session 9); the reads
-already running when it gave up still cost strict's quiet declines 7–18 ms on an H200
-(sessions 29–30) before they were stopped too.
+0.03–0.08 s slower than the engine's other prefills on an H100 (session 9). On an H200
+strict's quiet declines took 7–18 ms longer from scheduling to first token than fresh
+prompts with the reads in flight left running (sessions 29–30) and 9–18 ms with them
+stopped (session 31), so those reads were not what cost that.
 
 A round is the fetches sent together. Once all of them landed, the round's time over
 its size is the pace the storage sustains with that many reads in flight: a disk

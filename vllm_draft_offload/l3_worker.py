@@ -141,9 +141,10 @@ class WorkerL3(L3WriteBehind):
 
     def cancel_fetches(self, job_ids: list[int]) -> None:
         """Skip these fetches if they have not started, and stop those reading now within
-        a piece (fs://), each reported as FETCH_CANCELLED. A request that gave storage up
-        recomputes beside them: on an H200 (sessions 29-30) up to 12 whole-unit reads left
-        running after strict's quiet declines slowed their recompute by 7-18 ms."""
+        a piece (fs://), each reported as FETCH_CANCELLED: a request that gave storage up
+        recomputes beside them (reads left running made it 0.03-0.08 s slower on an H100,
+        session 9). On an H200, stopping them did not change what strict's quiet declines
+        cost from scheduling (7-18 ms before, sessions 29-30; 9-18 ms after, session 31)."""
         with self._fetch_lock:
             for job_id in job_ids:
                 if job_id in self._fetches_queued:
