@@ -80,6 +80,7 @@ FIXED = (
     # The worker's per-group address tables (transfers.UnitCopies).
     *(f"_copies.{name}" for name in ("regions", "_rows", "_where", "_device_base")),
     *(f"_copies.{name}" for name in ("_stride", "_offset", "_page", "_draft_page_bytes")),
+    "_copies.group_pages_per_unit",
     # The pair kernel's routes and layer-table rows (copy_routes.PairCopier).
     *(f"pair_copier.{name}" for name in ("fits", "_row", "_layer_of_row")),
     "comparer.regions",
