@@ -612,28 +612,37 @@ def test_prefill_pairs_time_what_stores_add_before_decoding() -> None:
     assert rep.prefill_s({"wall_s": 1.0, "decode_s": 2.0}) is None
 
 
+UNSTAGED = {"store_staging_units": 0}
+
+
 @pytest.mark.parametrize(
-    ("config", "setting", "value"),
+    ("config", "settings"),
     [
-        ("store_thread", "store_thread", True),
-        ("store_decode_dma", "decode_stores_dma", True),
-        ("store_decode_kernel", "decode_stores_dma", False),
-        ("store_staged", "store_staging_units", 8),
+        ("store_thread", {"store_thread": True}),
+        ("store_decode_dma", {"decode_stores_dma": True, **UNSTAGED}),
+        ("store_decode_kernel", {"decode_stores_dma": False, **UNSTAGED}),
+        ("store_staged", {"store_staging_units": 8}),
+        ("store_unstaged", UNSTAGED),
     ],
 )
-def test_a_store_variant_is_store_with_one_setting_of_its_own(
-    config: str, setting: str, value: bool | int
+def test_a_store_variant_is_store_with_settings_of_its_own(
+    config: str, settings: dict[str, bool | int]
 ) -> None:
     """store_thread: the issuer thread; store_decode_dma / store_decode_kernel: decode
-    steps' stores by DMA or not, whatever the pages. Each is `store` (the defaults) with
-    that one setting, and its off batches opt out of stores."""
+    steps' stores by DMA or not, whatever the pages, with staging off (it would take
+    their batches); store_staged / store_unstaged: staging through 8 units, or none.
+    Each is `store` (the defaults) with those settings, and its off batches opt out of
+    stores."""
     from vllm_draft_offload.config import parse_config
 
     store = decode_configs.connector_config("store", 1.5, 128)
     variant = decode_configs.connector_config(config, 1.5, 128)
     assert store is not None and variant is not None
     extra = variant["kv_connector_extra_config"]
-    assert extra == {**store["kv_connector_extra_config"], setting: value}
-    assert getattr(parse_config(extra), setting) is value
-    assert getattr(parse_config(store["kv_connector_extra_config"]), setting) is not value
+    assert extra == {**store["kv_connector_extra_config"], **settings}
+    default = parse_config(store["kv_connector_extra_config"])
+    parsed = parse_config(extra)
+    for setting, value in settings.items():
+        assert getattr(parsed, setting) == value
+        assert getattr(default, setting) != value
     assert config in rep.STORING

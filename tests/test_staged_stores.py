@@ -10,9 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from kv_sim import SimEngine, SimSetup, prompt
 
-from vllm_draft_offload.staged_stores import StagedStores
+from vllm_draft_offload.staged_stores import (
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_UNITS,
+    StagedStores,
+    staging_units,
+)
 from vllm_draft_offload.transfers import PairBatch
 
 CHUNK = 32
@@ -53,11 +59,79 @@ def test_staged_stores_restore_bit_exact(
     assert eng.mismatched_positions("turn2") == []
 
 
-def test_off_by_default_and_batches_it_cannot_take_keep_their_route(
+MIB = 1 << 20
+
+
+def test_default_units_on_cuda_under_auto_within_the_memory_caps() -> None:
+    """The default stages on CUDA under copy_path auto where the kernel moves every
+    layer: 8 units (the 8B shape's 37.7 MB units: 302 MB), fewer where 512 MiB or a
+    quarter of the free GPU memory holds fewer, none where not one fits."""
+    unit = 37_748_736  # the 8B shape's unit
+    plenty = 64 << 30
+    assert staging_units(None, "auto", True, True, unit, plenty) == DEFAULT_STAGING_UNITS == 8
+    assert staging_units(None, "auto", True, True, 100 * MIB, plenty) == 5  # 512 MiB cap
+    assert staging_units(None, "auto", True, True, unit, 4 * 3 * unit) == 3  # a quarter free
+    assert staging_units(None, "auto", True, True, unit, 4 * unit - 1) == 0
+    assert staging_units(None, "auto", True, True, DEFAULT_STAGING_BYTES + 1, plenty) == 0
+    assert staging_units(None, "auto", True, True, unit, None) == 8
+    # Off CUDA (a host copy more), under a forced copy_path, or without the kernel: off.
+    assert staging_units(None, "auto", False, True, unit, None) == 0
+    assert staging_units(None, "kernel", True, True, unit, plenty) == 0
+    assert staging_units(None, "memcpy", True, True, unit, plenty) == 0
+    assert staging_units(None, "auto", True, False, unit, plenty) == 0
+    # An explicit setting wins, whatever the memory and the path.
+    assert staging_units(0, "auto", True, True, unit, plenty) == 0
+    assert staging_units(12, "memcpy", False, True, unit, 0) == 12
+
+
+def test_the_worker_sizes_the_default_buffer_from_free_gpu_memory(
+    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wiring: with the setting unset, a worker on CUDA asks the free GPU memory and
+    allocates what staging_units allows (the allocation made on CPU here: no CUDA)."""
+    from vllm_draft_offload import worker_side
+
+    eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_decode": True}))
+    worker = eng.worker.worker
+    assert worker._staged is None  # off CUDA the default is off
+    unit = worker.layout.unit_bytes
+    free = {"bytes": 4 * 3 * unit}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free["bytes"], 1 << 40))
+    monkeypatch.setattr(
+        worker_side,
+        "StagedStores",
+        lambda copier, units, on_device: StagedStores(copier, units, False),
+    )
+    monkeypatch.setattr(worker, "_on_device", True)
+    staged = worker._staging_buffer(unit)
+    assert staged is not None and staged.units == 3
+    assert staged.buffer.numel() == 3 * unit
+    free["bytes"] = 4 * unit - 1
+    assert worker._staging_buffer(unit) is None
+    explicit = worker.config.model_copy(update={"store_staging_units": 2})
+    monkeypatch.setattr(worker, "config", explicit)  # explicit: as asked
+    staged = worker._staging_buffer(unit)
+    assert staged is not None and staged.units == 2
+
+
+def test_a_buffer_that_does_not_fit_names_the_setting(
+    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_draft_offload import staged_stores
+
+    eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_decode": True}))
+
+    def out_of_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(staged_stores.torch, "zeros", out_of_memory)
+    with pytest.raises(RuntimeError, match="store_staging_units=4 needs"):
+        StagedStores(eng.worker.worker.pair_copier, 4, False)
+
+
+def test_batches_it_cannot_take_keep_their_route(
     model_dirs: tuple[Path, Path],
 ) -> None:
-    eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_decode": True}))
-    assert eng.worker.worker._staged is None
     eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_staging_units": 2}))
     staged = eng.worker.worker._staged
     assert staged is not None

@@ -197,14 +197,17 @@ class DraftOffloadConfig(BaseModel):
     # copy_rules.DECODE_STORE_DMA_MIN_PAGE_BYTES (48 KiB; measured at 64 KiB), else off;
     # a forced copy_path is kept.
     decode_stores_dma: bool | None = None
-    # Stores through a GPU buffer of this many units (0: off, the default; not yet run on
-    # a GPU): the pair kernel gathers each unit's pages into it at device speed, then one
-    # DMA a unit moves it to the host, so no copy holds SMs through the PCIe transfer
-    # and the driver gets a copy a unit, not a page (staged_stores.py). For every store
-    # batch it can take (the kernel can move every layer, units stored whole), whatever
-    # copy_path and decode_stores_dma say. GPU memory beyond vLLM's KV cache: units x a
-    # unit's bytes.
-    store_staging_units: int = Field(default=0, ge=0, le=1024)
+    # Stores through a GPU buffer of this many units (0: off): the pair kernel gathers
+    # each unit's pages into it at device speed, then one DMA a unit moves it to the
+    # host, so no copy holds SMs through the PCIe transfer and the driver gets a copy a
+    # unit, not a page (staged_stores.py). For every store batch it can take (the kernel
+    # can move every layer, units stored whole), whatever copy_path and
+    # decode_stores_dma say. GPU memory beyond vLLM's KV cache: units x a unit's bytes.
+    # None (default): on CUDA under copy_path auto where the kernel moves every layer,
+    # up to 8 units and 512 MiB, at most a quarter of the GPU memory free at startup
+    # (staged_stores.staging_units). H200, 8B shape, 64 requests (session 32): decode
+    # 1.026 x, the prefill phase 1.002 x, no decode step slower than without storing.
+    store_staging_units: int | None = Field(default=None, ge=0, le=1024)
     l3: L3Config = Field(default_factory=L3Config)
     # Mixed into every key: bumping it makes everything stored under another
     # generation unreachable (storage is shared and survives resets and restarts).

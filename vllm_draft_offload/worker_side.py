@@ -36,7 +36,7 @@ from vllm_draft_offload.metadata import (
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.overlap_loads import OverlapLoads, remembered_fetches
-from vllm_draft_offload.staged_stores import StagedStores
+from vllm_draft_offload.staged_stores import StagedStores, staging_units
 from vllm_draft_offload.store_issuer import StoreBatch, StoreIssuer
 from vllm_draft_offload.transfers import (
     HostPool,
@@ -145,16 +145,7 @@ class DraftOffloadWorker(WorkerLoads):
         page_bytes = [slot.page_bytes for slot in layout.layers]
         self.copier = CopyEngine(self.config.copy_path, self.pool, page_bytes, self._on_device)
         self.pair_copier = PairCopier(self._copies, self.copier)
-        if self.config.store_staging_units:
-            if self.pair_copier.moves_every_layer:
-                self._staged = StagedStores(
-                    self.pair_copier, self.config.store_staging_units, self._on_device
-                )
-            else:  # no GPU memory for a buffer no batch could use
-                logger.warning(
-                    "DraftOffloadConnector: store_staging_units ignored: the pair kernel "
-                    "cannot move every layer here"
-                )
+        self._staged = self._staging_buffer(layout.unit_bytes)
         if self._on_device:
             self._load_stream = torch.cuda.Stream()
             self._store_stream = torch.cuda.Stream()
@@ -297,6 +288,30 @@ class DraftOffloadWorker(WorkerLoads):
         lead.start, lead.keepalive = start, keepalive
         for store in batch.stores:
             store.event = end
+
+    def _staging_buffer(self, unit_bytes: int) -> StagedStores | None:
+        """The staged store path (store_staging_units), or None where it is off."""
+        assert self.pair_copier is not None
+        setting = self.config.store_staging_units
+        moves_every_layer = self.pair_copier.moves_every_layer
+        if setting and not moves_every_layer:  # no GPU memory for a buffer no batch could use
+            logger.warning(
+                "DraftOffloadConnector: store_staging_units ignored: the pair kernel "
+                "cannot move every layer here"
+            )
+            return None
+        free = torch.cuda.mem_get_info()[0] if self._on_device and setting is None else None
+        units = staging_units(
+            setting, self.config.copy_path, self._on_device, moves_every_layer, unit_bytes, free
+        )
+        if not units:
+            return None
+        logger.info(
+            "DraftOffloadConnector: stores staged through a GPU buffer of %d units (%d B)",
+            units,
+            units * unit_bytes,
+        )
+        return StagedStores(self.pair_copier, units, self._on_device)
 
     def _run_stores(
         self, batch: StoreBatch, stream: torch.cuda.Stream | None

@@ -19,6 +19,7 @@ CONFIGS = (
     "store_decode_dma",
     "store_decode_kernel",
     "store_staged",
+    "store_unstaged",
 )
 # `store` with its copies forced onto one path (copy_path memcpy or kernel), so one run
 # shows side by side what each path's stores cost decode (session 15, H100, 8B shape:
@@ -33,14 +34,19 @@ FORCED_COPY_PATH = {"store_dma": "memcpy", "store_kernel": "kernel"}
 # copy_path's route: pooled 64-request runs (sessions 25-29) had the kernel cost decode
 # (0.947) and DMA the prefill phase (1.13 x), each nothing in the other phase. It is the
 # default where pages are at least 48 KiB; store_decode_kernel turns it off, so a run
-# shows the two side by side at any shape.
+# shows the two side by side at any shape. Both turn staging off, which would otherwise
+# take every batch they route (on CUDA by default since session 32).
 EXTRA_SETTINGS: dict[str, dict[str, Any]] = {
     "store_thread": {"store_thread": True},
-    "store_decode_dma": {"decode_stores_dma": True},
-    "store_decode_kernel": {"decode_stores_dma": False},
-    # every store through a GPU buffer of 8 units (8B shape: 302 MB): gathered there by
-    # the pair kernel, then one DMA a unit (staged_stores.py)
+    "store_decode_dma": {"decode_stores_dma": True, "store_staging_units": 0},
+    "store_decode_kernel": {"decode_stores_dma": False, "store_staging_units": 0},
+    # every store through a GPU buffer of 8 units (8B shape: 302 MB), whatever the
+    # default would size: gathered there by the pair kernel, then one DMA a unit
+    # (staged_stores.py)
     "store_staged": {"store_staging_units": 8},
+    # the default before session 32: no staging (decode steps' stores by DMA where pages
+    # are at least 48 KiB, the rest on copy_path's route)
+    "store_unstaged": {"store_staging_units": 0},
 }
 # Engines that store, whose paired off batches opt out of stores (decode_batches.arm_params):
 # `store` and its variants.

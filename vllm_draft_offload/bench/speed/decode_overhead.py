@@ -26,12 +26,14 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
   ``store_kernel_vs_none``);
 * ``store_thread``: ``store`` with ``store_thread`` on, the store copies issued on a
   thread of their own;
-* ``store_decode_dma`` / ``store_decode_kernel``: ``store`` with ``decode_stores_dma``
-  on (a decode-only step's stores by DMA, a step's with prompt tokens as ``copy_path``
-  says) or off (every store as ``copy_path`` says). ``store`` itself takes the default,
-  which is on where every page is at least 48 KiB (the 8B shape) and off below;
+* ``store_decode_dma`` / ``store_decode_kernel``: ``store`` without staging and with
+  ``decode_stores_dma`` on (a decode-only step's stores by DMA, a step's with prompt
+  tokens as ``copy_path`` says) or off (every store as ``copy_path`` says);
 * ``store_staged``: ``store`` with ``store_staging_units`` 8: every store gathered by
-  the pair kernel into a GPU buffer, then one DMA a unit.
+  the pair kernel into a GPU buffer, then one DMA a unit. ``store`` itself takes the
+  default, which stages on CUDA through up to 8 units (staged_stores.staging_units);
+* ``store_unstaged``: ``store`` with staging off (the default before session 32:
+  ``decode_stores_dma``'s default, on where every page is at least 48 KiB).
 
 Besides decode tokens/s, each pair gives its batches' prefill seconds, storing over
 opting out (``paired_prefill``; the table's ``prefill_on_vs_off``): a batch's wall time
