@@ -17,7 +17,7 @@ holding SMs through the transfer nor handing the driver a copy a page. The buffe
 starts after the previous wave's DMA has drained its slots. Session 32 (H200, 8B shape,
 64 requests, 12 pairs beside the other paths in one run): decode 1.026 x without
 storing, the prefill phase 1.002 x, and no decode step slower than without storing
-(longest 75-79 ms against 73-75; 82-216 ms on every other path).
+(longest 75-79 ms against 73-75; 81-216 ms on every other path).
 
 It applies to a batch only where the pair kernel can move every layer and every unit of
 the batch is stored whole (each group's every page of it), since the DMA writes the

@@ -174,7 +174,15 @@
 #             timed (about 16 min, estimated): /root/decode_8b_b64_default.json
 #   decode-small-b64  decode-overhead at the small shape (32 KiB pages: stores on the
 #             kernel), 64 requests a batch, none and store, 12 pairs each, decode steps
-#             timed (and store's hooks) (about 5 min, estimated): /root/decode_small_b64.json
+#             timed (and store's hooks) (H200, session 32: 5.3 min): /root/decode_small_b64.json
+#   decode-small-b64-staged  the same with store_staged only (store_staging_units 8), 12
+#             pairs (H200, session 32: 3.9 min with setup): /root/decode_small_b64_staged.json
+#   decode-8b-b64-staged  decode-overhead at the 8B shape, 64 requests a batch, store (the
+#             default since session 32: staged through 8 units), store_unstaged (the
+#             default before) and store_thread (staged, issued off the engine's thread:
+#             whether it removes staged batches' 11.8-23.5 ms wait_for_save calls), 12
+#             pairs each, hooks and decode steps timed (about 12 min, estimated):
+#             /root/decode_8b_b64_staged.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -451,6 +459,12 @@ declare -A CMD=(
   [decode-small-b64]="vllm-draft-offload decode-overhead --shape small --configs none,store \
       --reps 12 --batch 64 --turn-prompts 0 --time-hooks --engine-timeout 600 \
       --out /root/decode_small_b64.json"
+  [decode-8b-b64-staged]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store,store_unstaged,store_thread --reps 12 --batch 64 --turn-prompts 0 \
+      --time-hooks --engine-timeout 600 --out /root/decode_8b_b64_staged.json"
+  [decode-small-b64-staged]="vllm-draft-offload decode-overhead --shape small \
+      --configs store_staged --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
+      --engine-timeout 600 --out /root/decode_small_b64_staged.json"
   [l3-reads12]="vllm-draft-offload restore-speed --enforce-eager --configs ours_l3 --reps 3 \
       --l3-variants reads12 --raw-threads 8,12 --l3-dir /root/l3r3 --drop-caches \
       --out /root/restore_speed_l3_reads12.json; rm -rf /root/l3r3"
