@@ -37,15 +37,25 @@ def _staged_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return units
 
 
-@pytest.mark.parametrize("buffer_units", [1, 8])
+@pytest.mark.parametrize(("buffer_units", "store_thread"), [(1, False), (8, False), (8, True)])
 def test_staged_stores_restore_bit_exact(
-    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, buffer_units: int
+    model_dirs: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    buffer_units: int,
+    store_thread: bool,
 ) -> None:
+    """Also with the copies issued on the store thread (store_thread), as the next GPU
+    run pairs them."""
     units = _staged_runs(monkeypatch)
-    extra = {"store_decode": True, "store_staging_units": buffer_units}
+    extra = {
+        "store_decode": True,
+        "store_staging_units": buffer_units,
+        "store_thread": store_thread,
+    }
     eng = SimEngine(*model_dirs, SimSetup(extra_config=extra))
     staged = eng.worker.worker._staged
     assert staged is not None and staged.units == buffer_units
+    assert (eng.worker.worker._issuer is not None) == store_thread
     tokens = prompt(31, 3 * CHUNK + 5)
     eng.add_request("a", tokens, max_tokens=CHUNK + 8)  # a decode step completes a chunk
     eng.run_until_done()
