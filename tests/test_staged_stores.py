@@ -6,6 +6,7 @@ target and draft layers."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,9 @@ def test_default_units_on_cuda_under_auto_within_the_memory_caps() -> None:
 
 
 def test_the_worker_sizes_the_default_buffer_from_free_gpu_memory(
-    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    model_dirs: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Wiring: with the setting unset, a worker on CUDA asks the free GPU memory and
     allocates what staging_units allows (the allocation made on CPU here: no CUDA)."""
@@ -117,7 +120,9 @@ def test_the_worker_sizes_the_default_buffer_from_free_gpu_memory(
     assert staged is not None and staged.units == 3
     assert staged.buffer.numel() == 3 * unit
     free["bytes"] = 4 * unit - 1
-    assert worker._staging_buffer(unit) is None
+    with caplog.at_level(logging.INFO, logger=worker_side.logger.name):
+        assert worker._staging_buffer(unit) is None
+    assert "stores not staged" in caplog.text  # an operator can tell why
     explicit = worker.config.model_copy(update={"store_staging_units": 2})
     monkeypatch.setattr(worker, "config", explicit)  # explicit: as asked
     staged = worker._staging_buffer(unit)

@@ -1,9 +1,10 @@
 """Stores through a GPU staging buffer (``store_staging_units``; on by default on CUDA).
 
-Before it, the two store paths each cost decode something at a real shape (H200, 8B
-shape, 64 requests a batch). The pair kernel writes the host pages from the SMs, so its programs
+Before it, each store path cost something at a real shape (8B shape, 64 requests a
+batch; H100 and H200). The pair kernel writes the host pages from the SMs, so its programs
 likely hold SMs for the whole PCIe transfer, beside the decode steps (decode 0.947 x,
-53 pairs). DMA leaves the SMs alone, but a decode-built chunk's pages do not merge
+53 pairs). DMA leaves the SMs alone (decode 1.033 x) but lengthened the prefill phase
+(1.10-1.13 x), and a decode-built chunk's pages do not merge
 (requests decoding in lockstep take their new blocks in turn), so a step storing 64
 units hands the driver one copy a page, 36,864 of them at the 8B shape. With decode
 steps' stores on DMA, a storing batch's longest ``wait_for_save`` call was 22.6-42.5 ms
@@ -16,8 +17,9 @@ holding SMs through the transfer nor handing the driver a copy a page. The buffe
 ``units`` slots; a larger batch goes in waves on the same stream, so a wave's gather
 starts after the previous wave's DMA has drained its slots. Session 32 (H200, 8B shape,
 64 requests, 12 pairs beside the other paths in one run): decode 1.026 x without
-storing, the prefill phase 1.002 x, and no decode step slower than without storing
-(longest 75-79 ms against 73-75; 81-216 ms on every other path).
+storing, the prefill phase 1.002 x, a storing batch's longest decode step 75-79 ms
+against 73-75 ms without storing (81-216 ms on every other path) and no stall beyond
+the one every batch had.
 
 It applies to a batch only where the pair kernel can move every layer and every unit of
 the batch is stored whole (each group's every page of it), since the DMA writes the

@@ -171,14 +171,14 @@
 #             engine's thread: in session 31 a storing batch's longest wait_for_save call
 #             was 22.6-42.5 ms with decode steps on DMA) and store_staged (store_staging_units 8: gathered
 #             into a GPU buffer by the kernel, one DMA a unit), 12 pairs each, hooks
-#             timed (about 16 min, estimated): /root/decode_8b_b64_default.json
+#             timed (H200, session 32: about 14 min with setup): /root/decode_8b_b64_default.json
 #   decode-small-b64  decode-overhead at the small shape (32 KiB pages: stores on the
 #             kernel), 64 requests a batch, none and store, 12 pairs each, decode steps
 #             timed (and store's hooks) (H200, session 32: 5.3 min): /root/decode_small_b64.json
 #   decode-small-b64-staged  the same with store_staged only (store_staging_units 8), 12
 #             pairs (H200, session 32: 3.9 min with setup): /root/decode_small_b64_staged.json
 #   decode-8b-b64-staged  decode-overhead at the 8B shape, 64 requests a batch, store (the
-#             default since session 32: staged through 8 units), store_unstaged (the
+#             default since session 32: staged through up to 8 units), store_unstaged (the
 #             default before) and store_thread (staged, issued off the engine's thread:
 #             whether it removes staged batches' 11.8-23.5 ms wait_for_save calls), 12
 #             pairs each, hooks and decode steps timed (about 12 min, estimated):

@@ -259,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--copy-path",
         choices=("auto", "memcpy", "kernel"),
-        help="the connector's copy_path (default: its default); memcpy keeps stores off the SMs",
+        help="the connector's copy_path (default: its default); memcpy keeps stores off the "
+        "SMs, except store_staged's (an explicit store_staging_units gathers on the SMs "
+        "whatever the path)",
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (decode is then CPU-bound)"
