@@ -24,9 +24,18 @@ def test_summary_counts_decode_steps_their_tail_stalls_and_gc_pauses() -> None:
     assert summary["decode_step_max_ms"] == pytest.approx(50.0)  # the prefill step is not one
     assert 10.0 < summary["decode_step_p99_ms"] <= 50.0
     assert summary["stall_steps"] == 1 and summary["stall_ms"] == pytest.approx(40.0)
+    # Where it fell: after 19 decode steps (no prompt step before it in this batch).
+    assert summary["decode_step_max_at"] == 19
+    assert summary["stalls_at"] == [[19, pytest.approx(50.0)]]
     assert summary["gc_collections"] == 2 and summary["gc_gen2"] == 1
     assert summary["gc_pause_ms"] == pytest.approx(31.0)
     assert summary["gc_longest_ms"] == pytest.approx(30.0)
+    # Counted from the last step with prompt tokens: a stall right behind a prompt step
+    # (its stores just issued) reads 0.
+    behind = [(0.010, True)] * 5 + [(0.2, False), (0.060, True)] + [(0.010, True)] * 5
+    summary = tl.summarize(behind, [])
+    assert summary["decode_step_max_at"] == 0
+    assert summary["stalls_at"] == [[0, pytest.approx(60.0)]]
     # A batch that only prefilled has no decode-step figures.
     assert "decode_step_median_ms" not in tl.summarize([(1.0, False)], [])
 
@@ -109,6 +118,7 @@ def _batch(rate: float, arm: str, median_ms: float, p99_ms: float, stall_ms: flo
         "decode_step_median_ms": median_ms,
         "decode_step_p99_ms": p99_ms,
         "decode_step_max_ms": p99_ms + 5,
+        "decode_step_max_at": int(p99_ms),
         "stall_steps": 1 if stall_ms else 0,
         "stall_ms": stall_ms,
         "gc_pause_ms": 2.0,
@@ -133,6 +143,7 @@ def test_report_gives_each_arms_step_tail_and_links_stalls_to_slow_batches() -> 
     assert tails["on"]["decode_step_p99_ms"] == pytest.approx(42.0)
     assert tails["off"]["decode_step_p99_ms"] == pytest.approx(20.5)
     assert tails["on"]["decode_step_max_ms"] == pytest.approx(49.0)
+    assert tails["on"]["decode_step_max_at"] == [40, 44]  # each batch's, sorted
     assert tails["off"]["stall_ms"] == pytest.approx(800.0) and tails["off"]["stall_steps"] == 2
     assert rep.step_tails([{"reps": [{"arm": "on", "decode_tok_s": 1.0}]}]) is None
     link = rep.machine_link(runs)

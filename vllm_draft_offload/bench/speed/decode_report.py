@@ -157,8 +157,10 @@ def machine_link(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 def step_tails(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Per arm, over its batches timed with --time-hooks (engine_timeline.py): the median
     of their median and 99th-percentile decode steps, the longest decode step of any,
-    and their stalls and GC pauses summed: what stores do to inter-token latency, which
-    a batch's mean rate spreads thin. None without such batches."""
+    where each batch's longest fell (decode steps after its last prompt step, sorted;
+    files from before session 32 lack it), and their stalls and GC pauses summed: what
+    stores do to inter-token latency, which a batch's mean rate spreads thin. None
+    without such batches."""
     tails: dict[str, Any] = {}
     for arm in ("on", "off"):
         timed = [rep["engine"] for rep in arm_reps(runs, arm) if rep.get("engine")]
@@ -170,6 +172,9 @@ def step_tails(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
             "decode_step_median_ms": statistics.median(e["decode_step_median_ms"] for e in timed),
             "decode_step_p99_ms": statistics.median(e["decode_step_p99_ms"] for e in timed),
             "decode_step_max_ms": max(e["decode_step_max_ms"] for e in timed),
+            "decode_step_max_at": sorted(
+                e["decode_step_max_at"] for e in timed if "decode_step_max_at" in e
+            ),
             "stall_steps": sum(e["stall_steps"] for e in timed),
             "stall_ms": sum(e["stall_ms"] for e in timed),
             "gc_pause_ms": sum(e["gc_pause_ms"] for e in timed),

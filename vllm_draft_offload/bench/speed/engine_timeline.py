@@ -30,6 +30,8 @@ import numpy as np
 
 # A decode step this many times the batch's median decode step is a stall.
 STALL_FACTOR = 3.0
+# Stalls listed with their place in the batch (stalls_at), at most.
+STALLS_LISTED = 16
 
 
 class EngineTimeline:
@@ -126,18 +128,39 @@ class EngineTimeline:
 def summarize(steps: list[tuple[float, bool]], pauses: list[tuple[int, float]]) -> dict[str, Any]:
     """Decode steps' count, median, 99th percentile and longest (ms), the stalls among
     them (over ``STALL_FACTOR`` x the median: how many, and their ms beyond the median),
-    and GC pauses (count, generation-2 count, total and longest ms)."""
-    decode = np.array([seconds for seconds, is_decode in steps if is_decode]) * 1e3
+    and GC pauses (count, generation-2 count, total and longest ms).
+
+    Where the longest step and the first ``STALLS_LISTED`` stalls fell (``*_at``): each
+    as [decode steps before it since the batch's last step with prompt tokens, or since
+    timing began, ms]. A step right after the prompts (0, 1, ...) is one behind their
+    stores; one a chunk's worth of decode steps later is behind a decode-built chunk's."""
+    decode_ms: list[float] = []
+    since_prompt: list[int] = []
+    run = 0
+    for seconds, is_decode in steps:
+        if not is_decode:
+            run = 0
+            continue
+        decode_ms.append(1e3 * seconds)
+        since_prompt.append(run)
+        run += 1
+    decode = np.array(decode_ms)
     summary: dict[str, Any] = {"engine_steps": len(steps), "decode_steps": int(decode.size)}
     if decode.size:
         median = float(np.median(decode))
-        stalls = decode[decode > STALL_FACTOR * median]
+        is_stall = decode > STALL_FACTOR * median
+        stalls = decode[is_stall]
+        longest = int(decode.argmax())
         summary.update(
             decode_step_median_ms=median,
             decode_step_p99_ms=float(np.percentile(decode, 99)),
-            decode_step_max_ms=float(decode.max()),
+            decode_step_max_ms=float(decode[longest]),
+            decode_step_max_at=since_prompt[longest],
             stall_steps=int(stalls.size),
             stall_ms=float((stalls - median).sum()),
+            stalls_at=[[since_prompt[i], float(decode[i])] for i in np.flatnonzero(is_stall)][
+                :STALLS_LISTED
+            ],
         )
     seconds = [s for _, s in pauses]
     summary.update(
