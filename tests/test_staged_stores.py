@@ -78,11 +78,15 @@ def test_default_units_on_cuda_under_auto_within_the_memory_caps() -> None:
     layer: 8 units (the 8B shape's 37.7 MB units: 302 MB), fewer where 512 MiB or a
     quarter of the free GPU memory holds fewer, none where not one fits."""
     unit = 37_748_736  # the 8B shape's unit
-    plenty = 64 << 30
+
+    def plenty() -> int:  # free GPU memory is passed as a query, asked only if needed
+        return 64 << 30
+
     assert staging_units(None, "auto", True, True, unit, plenty) == DEFAULT_STAGING_UNITS == 8
     assert staging_units(None, "auto", True, True, 100 * MIB, plenty) == 5  # 512 MiB cap
-    assert staging_units(None, "auto", True, True, unit, 4 * 3 * unit) == 3  # a quarter free
-    assert staging_units(None, "auto", True, True, unit, 4 * unit - 1) == 0
+    # A quarter of the free memory holds three units.
+    assert staging_units(None, "auto", True, True, unit, lambda: 4 * 3 * unit) == 3
+    assert staging_units(None, "auto", True, True, unit, lambda: 4 * unit - 1) == 0
     assert staging_units(None, "auto", True, True, DEFAULT_STAGING_BYTES + 1, plenty) == 0
     assert staging_units(None, "auto", True, True, unit, None) == 8
     # Off CUDA (a host copy more), under a forced copy_path, or without the kernel: off.
@@ -92,7 +96,7 @@ def test_default_units_on_cuda_under_auto_within_the_memory_caps() -> None:
     assert staging_units(None, "auto", True, False, unit, plenty) == 0
     # An explicit setting wins, whatever the memory and the path.
     assert staging_units(0, "auto", True, True, unit, plenty) == 0
-    assert staging_units(12, "memcpy", False, True, unit, 0) == 12
+    assert staging_units(12, "memcpy", False, True, unit, lambda: 0) == 12
 
 
 def test_the_worker_sizes_the_default_buffer_from_free_gpu_memory(
@@ -102,7 +106,7 @@ def test_the_worker_sizes_the_default_buffer_from_free_gpu_memory(
 ) -> None:
     """Wiring: with the setting unset, a worker on CUDA asks the free GPU memory and
     allocates what staging_units allows (the allocation made on CPU here: no CUDA)."""
-    from vllm_draft_offload import worker_side
+    from vllm_draft_offload import staged_stores, worker_side
 
     eng = SimEngine(*model_dirs, SimSetup(extra_config={"store_decode": True}))
     worker = eng.worker.worker
@@ -120,7 +124,7 @@ def test_the_worker_sizes_the_default_buffer_from_free_gpu_memory(
     assert staged is not None and staged.units == 3
     assert staged.buffer.numel() == 3 * unit
     free["bytes"] = 4 * unit - 1
-    with caplog.at_level(logging.INFO, logger=worker_side.logger.name):
+    with caplog.at_level(logging.INFO, logger=staged_stores.logger.name):
         assert worker._staging_buffer(unit) is None
     assert "stores not staged" in caplog.text  # an operator can tell why
     explicit = worker.config.model_copy(update={"store_staging_units": 2})

@@ -33,12 +33,16 @@ free when the connector registers the KV cache.
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from vllm_draft_offload.copy_routes import PairCopier
 from vllm_draft_offload.transfers import PairBatch
+
+logger = logging.getLogger(__name__)
 
 # The default buffer (store_staging_units unset): the 8 units measured at the 8B shape
 # (302 MB; session 32), fewer where a unit is larger, none where not even one fits.
@@ -55,12 +59,13 @@ def staging_units(
     on_device: bool,
     kernel_moves_every_layer: bool,
     unit_bytes: int,
-    free_bytes: int | None,
+    free_bytes: Callable[[], int] | None,
 ) -> int:
     """The staging buffer's units: ``setting`` when given (0: off), else (the default)
     on CUDA under ``copy_path`` auto where the pair kernel can move every layer, as many
-    units as ``DEFAULT_STAGING_UNITS``, ``DEFAULT_STAGING_BYTES`` and a share of
-    ``free_bytes`` allow. Off CUDA a buffer is only another host copy, and a forced
+    units as ``DEFAULT_STAGING_UNITS``, ``DEFAULT_STAGING_BYTES`` and a share of the
+    GPU memory ``free_bytes()`` reports allow (asked only then; None: no such bound),
+    logged when that is none. Off CUDA a buffer is only another host copy, and a forced
     ``copy_path`` is what the user asked for every copy, so the default leaves both
     alone."""
     if setting is not None:
@@ -69,8 +74,18 @@ def staging_units(
         return 0
     budget = DEFAULT_STAGING_BYTES
     if free_bytes is not None:
-        budget = min(budget, free_bytes // STAGING_FREE_SHARE)
-    return min(DEFAULT_STAGING_UNITS, budget // unit_bytes)
+        budget = min(budget, free_bytes() // STAGING_FREE_SHARE)
+    units = min(DEFAULT_STAGING_UNITS, budget // unit_bytes)
+    if not units:
+        logger.info(
+            "DraftOffloadConnector: stores not staged: a unit of %d B exceeds the default "
+            "buffer's %d B (at most %d B and 1/%d of the free GPU memory)",
+            unit_bytes,
+            budget,
+            DEFAULT_STAGING_BYTES,
+            STAGING_FREE_SHARE,
+        )
+    return units
 
 
 class StagedStores:

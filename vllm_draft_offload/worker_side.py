@@ -36,7 +36,7 @@ from vllm_draft_offload.metadata import (
 )
 from vllm_draft_offload.metrics import DraftOffloadStats
 from vllm_draft_offload.overlap_loads import OverlapLoads, remembered_fetches
-from vllm_draft_offload.staged_stores import DEFAULT_STAGING_BYTES, StagedStores, staging_units
+from vllm_draft_offload.staged_stores import StagedStores, staging_units
 from vllm_draft_offload.store_issuer import StoreBatch, StoreIssuer
 from vllm_draft_offload.transfers import (
     HostPool,
@@ -300,19 +300,15 @@ class DraftOffloadWorker(WorkerLoads):
                 "cannot move every layer here"
             )
             return None
-        free = torch.cuda.mem_get_info()[0] if self._on_device and setting is None else None
         units = staging_units(
-            setting, self.config.copy_path, self._on_device, moves_every_layer, unit_bytes, free
+            setting,
+            self.config.copy_path,
+            self._on_device,
+            moves_every_layer,
+            unit_bytes,
+            lambda: torch.cuda.mem_get_info()[0],
         )
         if not units:
-            if free is not None and self.config.copy_path == "auto" and moves_every_layer:
-                logger.info(
-                    "DraftOffloadConnector: stores not staged: the default buffer holds "
-                    "no unit of %d B within %d B and a quarter of %d B free GPU memory",
-                    unit_bytes,
-                    DEFAULT_STAGING_BYTES,
-                    free,
-                )
             return None
         logger.info(
             "DraftOffloadConnector: stores staged through a GPU buffer of %d units (%d B)",
