@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_draft_offload.config import ConfigError, parse_config
 from vllm_draft_offload.geometry import build_unit_layout, check_state_groups, hit_rules
 from vllm_draft_offload.identity import drafter_identity, target_identity
+from vllm_draft_offload.log_routing import route_to_vllm_handlers
 from vllm_draft_offload.metadata import DraftOffloadMetadata, DraftOffloadWorkerMetadata
 from vllm_draft_offload.metrics import build_kv_connector_stats
 from vllm_draft_offload.scheduler_side import DraftOffloadScheduler
@@ -69,6 +70,7 @@ class DraftOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_to_vllm_handlers()
         if kv_cache_config is None:
             raise ConfigError("DraftOffloadConnector needs vLLM >= 0.33 (kv_cache_config)")
         transfer_config = vllm_config.kv_transfer_config
