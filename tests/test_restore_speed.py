@@ -285,6 +285,35 @@ def test_copy_path_reaches_our_connector_only_when_given() -> None:
     assert "copy_path" not in native["kv_connector_extra_config"]
 
 
+def test_staging_and_the_audit_reach_our_connector_only_when_asked() -> None:
+    def extra(**over: object) -> dict:
+        return restore_engine.connector_config(args(**over))["kv_connector_extra_config"]
+
+    assert "store_staging_units" not in extra(config="ours")  # the connector's default
+    assert extra(config="ours", store_staging_units=0)["store_staging_units"] == 0
+    assert "audit_recompute_fraction" not in extra(config="ours")
+    assert extra(config="ours_audit")["audit_recompute_fraction"] == 1.0
+    native = restore_engine.connector_config(args(config="native", store_staging_units=0))
+    assert "store_staging_units" not in native["kv_connector_extra_config"]
+
+
+def test_the_audited_stores_reach_the_summary_and_the_table() -> None:
+    report = _shape_report("small", [0.3, 0.1, 0.1], [1.3, 0.2, 0.2])
+    audited = {"fresh_s": [1.0], "store_GBps_metric": [40.0, 41.0, 42.0]}
+    report["configs"]["ours_audit"] = {
+        **audited, "audit_recompute_units": {"ok": 12.0, "mismatch": 0.0, "error": 0.0}
+    }  # fmt: skip
+    restore_report.summarize(report)
+    assert report["summary"]["ours_audit"] == {
+        "ok": 12.0, "mismatch": 0.0, "error": 0.0, "store_GBps_connector": 41.0, "all_ok": True
+    }  # fmt: skip
+    row = restore_report.table_row("small", report)
+    assert row["stores_audited"] == {"ok": 12.0, "mismatch": 0.0, "error": 0.0}
+    report["configs"]["ours_audit"]["audit_recompute_units"]["mismatch"] = 1.0
+    restore_report.summarize(report)
+    assert report["summary"]["ours_audit"]["all_ok"] is False
+
+
 def _shape_report(name: str, ours_hits: list[float], native_hits: list[float]) -> dict:
     return {
         "shape_name": name,
@@ -318,7 +347,7 @@ def test_summary_and_table_give_copy_ratios_and_first_and_steady_hits() -> None:
     assert row == {
         "shape": "small", "page_bytes": 32768, "copy_path": "auto (connector default)",
         "restore_GBps": 45.0, "restore_vs_pinned_memcpy": 0.9,
-        "store_GBps": 36.0, "store_vs_pinned_memcpy": 0.9,
+        "store_GBps": 36.0, "store_vs_pinned_memcpy": 0.9, "stores_audited": None,
         "recompute_ttft_s": 1.0, "hit_ttft_s_first": 0.3, "hit_ttft_s_steady": 0.1,
         "first_vs_recompute": 0.3, "steady_vs_recompute": 0.1,
         "native_first_vs_recompute": 1.3, "native_steady_vs_recompute": 0.2,
@@ -549,3 +578,29 @@ def test_a_restart_with_short_hits_runs_in_a_cpu_engine(tmp_path: Path) -> None:
     assert len(phases["short_hit_s"]) == len(phases["odd_fresh_s"]) == 1
     extra = restore_report.restart_extras(restart, None)["scheduled_to_first_token_extra_s"]
     assert set(extra) >= {"short_hit_s", "odd_fresh_s", "hit_s"}
+
+
+def test_the_store_audit_runs_in_a_cpu_engine(tmp_path: Path) -> None:
+    """restore-speed's ours_audit as the GPU runs it (a child process, a real vLLM
+    engine), at a CPU's size: every hit recomputes and the stored units it could have
+    loaded, every layer, are compared with that recompute; all of them match."""
+    import subprocess
+    import sys
+
+    target, draft = shapes.SHAPES["small"]
+    tiny = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8}
+    t = shapes.write_config(tmp_path / "t", {**target, **tiny, "num_hidden_layers": 2}, 1024)
+    d = shapes.write_config(tmp_path / "d", {**draft, **tiny, "num_hidden_layers": 1}, 1024)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    out = tmp_path / "ours_audit.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", RESTART_SCRIPT, "--out", str(tmp_path / "unused.json"),
+         "--child", str(out), "--target", t, "--draft", d, "--config", "ours_audit",
+         "--tokens", "512", "--chunk-size", "128", "--reps", "2", "--cpu-gib", "1",
+         "--enforce-eager"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    audit = json.loads(out.read_text())["audit_recompute_units"]
+    # Two hits of a 512-token prompt: its 3 whole chunks before the last token each.
+    assert audit == {"ok": 6.0, "mismatch": 0.0, "error": 0.0}, audit

@@ -14,6 +14,7 @@ import pytest
 import torch
 from kv_sim import SimEngine, SimSetup, prompt
 
+from vllm_draft_offload import staged_stores
 from vllm_draft_offload.staged_stores import (
     DEFAULT_STAGING_BYTES,
     DEFAULT_STAGING_UNITS,
@@ -38,7 +39,9 @@ def _staged_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return units
 
 
-@pytest.mark.parametrize(("buffer_units", "store_thread"), [(1, False), (8, False), (8, True)])
+@pytest.mark.parametrize(
+    ("buffer_units", "store_thread"), [(1, False), (2, False), (3, False), (8, False), (8, True)]
+)
 def test_staged_stores_restore_bit_exact(
     model_dirs: tuple[Path, Path],
     monkeypatch: pytest.MonkeyPatch,
@@ -60,14 +63,34 @@ def test_staged_stores_restore_bit_exact(
     tokens = prompt(31, 3 * CHUNK + 5)
     eng.add_request("a", tokens, max_tokens=CHUNK + 8)  # a decode step completes a chunk
     eng.run_until_done()
-    # The prompt's three units in one batch (in three waves of one with a 1-unit buffer),
-    # then the decoded one.
+    # The prompt's three units in one batch (waves alternate the buffer's halves: of one
+    # unit with a 1- or 2-unit buffer, of two then one with a 3-unit buffer, the second
+    # wave into slot 2), then the decoded one.
     assert units == [3, 1], units
     eng.evict_gpu_kv()
     eng.add_request("turn2", [*tokens, *eng.outputs["a"], *prompt(32, 9)], max_tokens=1)
     eng.run_prefill("turn2")
     assert eng.external_hits["turn2"] >= 4 * CHUNK
     assert eng.mismatched_positions("turn2") == []
+
+
+@pytest.mark.parametrize("units", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("count", [0, 1, 4, 5, 17])
+def test_waves_take_every_slot_once_alternating_the_buffers_halves(units: int, count: int) -> None:
+    """Consecutive waves fill different halves (so one can be gathered while the other
+    drains), never more slots than the half holds, and the halves do not overlap."""
+    regions = staged_stores.buffer_regions(units)
+    assert sum(size for _, size in regions) == units
+    assert all(first + size <= units for first, size in regions)
+    if len(regions) == 2:
+        assert regions[0][0] + regions[0][1] == regions[1][0]
+    slots = np.arange(100, 100 + count)
+    plan = staged_stores.waves(slots, regions)
+    assert np.array_equal(np.concatenate([w for _, w in plan] or [slots[:0]]), slots)
+    for index, (region, wave) in enumerate(plan):
+        assert region == index % len(regions)
+        assert 0 < len(wave) <= regions[region][1]
+    assert len(regions) == (1 if units < 2 else 2)
 
 
 MIB = 1 << 20

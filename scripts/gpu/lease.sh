@@ -183,6 +183,22 @@
 #             whether it removes staged batches' 11.8-23.5 ms wait_for_save calls), 12
 #             pairs each, hooks and decode steps timed (about 12 min, estimated):
 #             /root/decode_8b_b64_staged.json
+#   decode-8b-b64-staged2  decode-8b-b64-staged without store_thread (store and
+#             store_unstaged, 12 pairs each; about 8 min, estimated): the default's second
+#             sample and where the unstaged paths' long steps fall, in a lease that also
+#             holds fx accept-llama speed-ours: /root/decode_8b_b64_staged2.json
+#   speed-ours  restore-speed at the small and 8B shapes, ours alone, 3 reps: restore and
+#             store GB/s / the same run's pinned memcpy with staged stores (the default
+#             since session 32; about 3 min, estimated): /root/restore_speed_ours.json
+#   speed-staged2  restore-speed at the small and 8B shapes, ours and ours_audit, 3 reps:
+#             staged stores with the gather and the DMA overlapped (two buffer halves,
+#             the DMA on a stream of its own; session 33) against the same run's pinned
+#             memcpy, and every stored unit of ours_audit's hits compared on the GPU with
+#             a recompute of every layer (about 3.5 min, estimated):
+#             /root/restore_speed_staged2.json
+#   speed-unstaged8b  restore-speed at the 8B shape, ours with store_staging_units 0, 3
+#             reps: the unstaged store GB/s on the same machine (about 1 min, estimated):
+#             /root/restore_speed_unstaged8b.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json
@@ -462,6 +478,15 @@ declare -A CMD=(
   [decode-8b-b64-staged]="vllm-draft-offload decode-overhead --shape llama8b \
       --configs store,store_unstaged,store_thread --reps 12 --batch 64 --turn-prompts 0 \
       --time-hooks --engine-timeout 600 --out /root/decode_8b_b64_staged.json"
+  [decode-8b-b64-staged2]="vllm-draft-offload decode-overhead --shape llama8b \
+      --configs store,store_unstaged --reps 12 --batch 64 --turn-prompts 0 \
+      --time-hooks --engine-timeout 600 --out /root/decode_8b_b64_staged2.json"
+  [speed-ours]="vllm-draft-offload restore-speed --enforce-eager --shape small,llama8b \
+    --configs ours --reps 3 --out /root/restore_speed_ours.json"
+  [speed-staged2]="vllm-draft-offload restore-speed --enforce-eager --shape small,llama8b \
+    --configs ours,ours_audit --reps 3 --out /root/restore_speed_staged2.json"
+  [speed-unstaged8b]="vllm-draft-offload restore-speed --enforce-eager --shape llama8b \
+    --configs ours --store-staging-units 0 --reps 3 --out /root/restore_speed_unstaged8b.json"
   [decode-small-b64-staged]="vllm-draft-offload decode-overhead --shape small \
       --configs store_staged --reps 12 --batch 64 --turn-prompts 0 --time-hooks \
       --engine-timeout 600 --out /root/decode_small_b64_staged.json"

@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--configs",
         default="recompute,native,ours",
-        help="of recompute, native, ours, ours_l3 (a fill engine, then a restarted one)",
+        help="of recompute, native, ours, ours_audit (ours whose hits recompute and compare "
+        "the stored units with it, every layer), ours_l3 (a fill engine, then a restarted one)",
     )
     parser.add_argument("--no-draft", action="store_true")
     parser.add_argument("--gpu-mem", type=float, default=0.5)
@@ -160,6 +161,12 @@ def main(argv: list[str] | None = None) -> None:
         "--copy-path",
         choices=("auto", "memcpy", "kernel"),
         help="the connector's copy_path for ours configs (default: its default)",
+    )
+    parser.add_argument(
+        "--store-staging-units",
+        type=int,
+        help="the connector's store_staging_units for ours configs (default: its default; "
+        "0: stores unstaged)",
     )
     parser.add_argument("--l3-dir", help="LMCache fs:// directory for ours_l3 (default: temp)")
     parser.add_argument("--l3-io-threads", type=int, help="override l3.io_threads")
@@ -301,6 +308,9 @@ def run_shape(
             "draft": None if draft is None else page_bytes(draft_shape),
         },
         "copy_path": args.copy_path or "auto (connector default)",
+        "store_staging_units": (
+            "connector default" if args.store_staging_units is None else args.store_staging_units
+        ),
         "tokens": args.tokens,
         "chunk_size": args.chunk_size,
         "enforce_eager": args.enforce_eager,
@@ -359,6 +369,8 @@ def run_shape(
         ):
             if value:
                 cmd += [flag, str(value)]
+        if args.store_staging_units is not None:  # 0 (off) included
+            cmd += ["--store-staging-units", str(args.store_staging_units)]
         if getattr(args, "l3_spread_reads", False):
             cmd.append("--l3-spread-reads")
         if config in variants:

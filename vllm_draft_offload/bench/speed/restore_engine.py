@@ -11,10 +11,11 @@ from typing import Any
 from vllm_draft_offload.bench.kv_configs import native_offloading_config
 from vllm_draft_offload.bench.speed.l3_dir import unit_files, wait_for_l3_files, write_throughput
 from vllm_draft_offload.bench.speed.shapes import VOCAB, draft_model_config
-from vllm_draft_offload.metric_defs import L3_THREAD_CLOCKS, L3_THREAD_OPS
+from vllm_draft_offload.metric_defs import AUDIT_RESULTS, L3_THREAD_CLOCKS, L3_THREAD_OPS
 
 STORED_BYTES = "vllm:draft_offload_stored_bytes_total"
 L3_THREAD_SECONDS = "vllm:draft_offload_l3_thread_seconds_total"
+AUDIT_RECOMPUTE_UNITS = "vllm:draft_offload_audit_recompute_units_total"
 # restore-speed --l3-variants: the l3 settings each variant's warm restart changes.
 VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "spread": {"spread_reads": True},
@@ -52,6 +53,12 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
         extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "chunk_size": args.chunk_size}
         if getattr(args, "copy_path", None):
             extra["copy_path"] = args.copy_path
+        if getattr(args, "store_staging_units", None) is not None:
+            extra["store_staging_units"] = args.store_staging_units
+        if args.config == "ours_audit":
+            # Every hit recomputes instead and compares the stored units, every layer,
+            # with what it computed: what the store path wrote, checked on the GPU.
+            extra["audit_recompute_fraction"] = 1.0
         if args.config.startswith("ours_l3"):
             # Defaults unless a flag says otherwise: the benchmark measures what a user
             # who only turns L3 on gets.
@@ -118,6 +125,18 @@ def _l3_counters() -> dict[str, float]:
         "store_failed": sum_prefix(
             counters, "vllm:draft_offload_fallbacks_total", cause="store_failed"
         ),
+    }
+
+
+def _audit_counts() -> dict[str, float]:
+    """Stored units the recompute audit compared, by result (ok, mismatch, error)."""
+    from vllm_draft_offload.bench.workloads.summary import sum_prefix
+    from vllm_draft_offload.bench.workloads.worker import snapshot_metrics
+
+    counters = snapshot_metrics()
+    return {
+        result: sum_prefix(counters, AUDIT_RECOMPUTE_UNITS, result=result)
+        for result in AUDIT_RESULTS
     }
 
 
@@ -331,4 +350,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         results["l3_write"] = write_throughput(unit_files(Path(args.l3_dir)))
         # Whole chunks of the measured prompts and of the warm-up prompt (stored too).
         results["units_expected"] = (2 * args.reps + 1) * (args.tokens // args.chunk_size)
+    if args.config == "ours_audit":
+        step_engine()  # the last hit's comparisons reach the counters with a step
+        results["audit_recompute_units"] = _audit_counts()
     return results

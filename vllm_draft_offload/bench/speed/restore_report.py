@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from vllm_draft_offload.bench.speed.restore_engine import is_restart
-from vllm_draft_offload.metric_defs import L3_THREAD_OPS
+from vllm_draft_offload.metric_defs import AUDIT_RESULTS, L3_THREAD_OPS
 
 # Lines of a child's output worth keeping in the report: the connector's storage
 # decisions and calibration, and anything it warned about.
@@ -120,6 +120,18 @@ def summarize(report: dict[str, Any]) -> None:
         summary["ours_vs_native_ttft_first"] = (
             summary["ours"]["hit_ttft_s_first"] / summary["native"]["hit_ttft_s_first"]
         )
+    audit = configs.get("ours_audit", {}).get("audit_recompute_units")
+    if audit is not None:
+        # What the store path wrote, compared on the GPU with a recompute: any mismatch
+        # is wrong KV in the CPU tier.
+        stores = configs["ours_audit"].get("store_GBps_metric") or []
+        summary["ours_audit"] = {
+            **audit,
+            "store_GBps_connector": _median(stores) if stores else None,
+            "all_ok": audit.get("ok", 0) > 0
+            and not audit.get("mismatch")
+            and not audit.get("error"),
+        }
     fill = configs.get("ours_l3_fill", {})
     if "units_expected" in fill:
         raw = report.get("raw_disk", {})
@@ -283,6 +295,11 @@ def table_row(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "restore_vs_pinned_memcpy": ours.get("restore_vs_pinned_memcpy"),
         "store_GBps": ours.get("store_GBps_connector"),
         "store_vs_pinned_memcpy": ours.get("store_vs_pinned_memcpy"),
+        # ours_audit: the stored units compared with a recompute (ok, mismatch, error).
+        "stores_audited": {
+            k: v for k, v in summary.get("ours_audit", {}).items() if k in AUDIT_RESULTS
+        }
+        or None,
         "recompute_ttft_s": summary.get("recompute_ttft_s"),
         "hit_ttft_s_first": ours.get("hit_ttft_s_first"),
         "hit_ttft_s_steady": ours.get("hit_ttft_s_steady"),
