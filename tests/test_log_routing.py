@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 STAGING_LINE = "DraftOffloadConnector: stores staged through a GPU buffer of 2 units"
 
@@ -20,8 +22,11 @@ PROCESS = """
 import logging, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-if {root_configured}:
-    logging.basicConfig(level=logging.INFO)
+if {root_handler}:
+    # A handler on the root, as a library or an application may add, at the level it
+    # gives the root.
+    logging.getLogger().addHandler(logging.StreamHandler())
+    logging.getLogger().setLevel({root_level!r})
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging
 configure_logging(LoggingConfig())
@@ -36,9 +41,11 @@ engine.shutdown()
 """
 
 
-def _start_lines(root_configured: bool, level: str) -> list[str]:
+def _start_lines(level: str, root_level: str | None = None) -> list[str]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": level}
-    code = PROCESS.format(tests=str(TESTS), root_configured=root_configured)
+    code = PROCESS.format(
+        tests=str(TESTS), root_handler=root_level is not None, root_level=root_level
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
     )
@@ -47,17 +54,24 @@ def _start_lines(root_configured: bool, level: str) -> list[str]:
     return [line for line in output.splitlines() if STAGING_LINE in line]
 
 
+def _in_vllms_format(line: str) -> bool:
+    """vLLM's format: the level, then the file and line in brackets."""
+    return " INFO " in line and "[worker_side.py:" in line
+
+
 def test_info_lines_print_through_vllms_handler_once() -> None:
-    lines = _start_lines(root_configured=False, level="INFO")
-    assert len(lines) == 1, lines
-    # vLLM's format: level, then the file and line in brackets.
-    assert " INFO " in lines[0] and "[worker_side.py:" in lines[0], lines[0]
+    lines = _start_lines("INFO")
+    assert len(lines) == 1 and _in_vllms_format(lines[0]), lines
 
 
 def test_vllms_level_holds_for_the_connectors_lines() -> None:
-    assert _start_lines(root_configured=False, level="WARNING") == []
+    assert _start_lines("WARNING") == []
 
 
-def test_an_applications_root_handler_keeps_the_lines_without_a_second_copy() -> None:
-    lines = _start_lines(root_configured=True, level="INFO")
-    assert lines == [f"INFO:vllm_draft_offload.worker_side:{STAGING_LINE} (65536 B)"], lines
+@pytest.mark.parametrize("root_level", ["WARNING", "INFO"])
+def test_a_root_handler_neither_swallows_the_lines_nor_prints_them_twice(root_level: str) -> None:
+    """At the root's default level (WARNING) the first form of the routing, which left
+    the lines to any root handler, printed none; at INFO it printed them in the root's
+    format instead of vLLM's."""
+    lines = _start_lines("INFO", root_level)
+    assert len(lines) == 1 and _in_vllms_format(lines[0]), lines

@@ -26,16 +26,20 @@ class _ToVllm(logging.Handler):
 
 
 def route_to_vllm_handlers() -> None:
-    """Print the package's lines as vLLM prints its own, at vLLM's level, unless logging
-    is the application's: a handler on the root or on the package already (its lines
-    reach those by propagation), or none on ``vllm`` (``VLLM_CONFIGURE_LOGGING=0``, or
-    no engine configured logging in this process). Idempotent; called where a connector
-    is built, after vLLM configured logging in that process."""
+    """Print the package's lines where vLLM prints its own, at vLLM's level, and only
+    there, unless logging is left to the application: a handler on the package already,
+    or none on ``vllm`` (``VLLM_CONFIGURE_LOGGING=0``, or no engine configured logging in
+    this process). A handler on the root does not count as the application's: in
+    session 33's GPU engines the lines were still missing when the first form of this
+    routing stood aside for one (whose, and at what level, is not known; a library's
+    root handler at Python's default WARNING drops every INFO line). Idempotent; called
+    where a connector is built, after vLLM configured logging in that process."""
     package = logging.getLogger(PACKAGE_LOGGER)
     vllm_logger = logging.getLogger(VLLM_LOGGER)
-    if package.handlers or logging.getLogger().handlers or not vllm_logger.handlers:
+    if package.handlers or not vllm_logger.handlers:
         return
     package.addHandler(_ToVllm())
     package.setLevel(vllm_logger.getEffectiveLevel())
-    # As vLLM's own: a root handler added later would print each line twice.
+    # As vLLM's own (``vllm`` does not propagate): a root handler would print each line
+    # a second time, in its own format.
     package.propagate = False
