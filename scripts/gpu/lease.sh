@@ -86,8 +86,9 @@
 #   copy-sweep  copy-speed of the page kernel's grid, bytes per iteration and warps on
 #             4-64 KiB pages (the copy alone and with host planning), then the default
 #             table (about 3 min, estimated): /root/copy
-#   speed-table  restore-speed at the small and 8B shapes: recompute, native and ours,
-#             3 reps (issue 13's one speed table; about 8 min, estimated)
+#   speed-table  restore-speed at the small and 8B shapes: recompute, native, ours and
+#             ours_audit (the stored units checked against a recompute), 3 reps (issue 13's
+#             one speed table; about 11 min, estimated from session 33's engines)
 #   copy-table  the same for the connector's kernel shape alone, then the default table
 #             (about 1.5 min, estimated): /root/copy-table
 #   l3-probe2  restore-speed, recompute and ours_l3, 2 reps, restarts warmed up with a
@@ -194,7 +195,7 @@
 #             staged stores with the gather and the DMA overlapped (two buffer halves,
 #             the DMA on a stream of its own; session 33) against the same run's pinned
 #             memcpy, and every stored unit of ours_audit's hits compared on the GPU with
-#             a recompute of every layer (about 3.5 min, estimated):
+#             a recompute of every layer (H200, session 33: about 6.5 min):
 #             /root/restore_speed_staged2.json
 #   speed-unstaged8b  restore-speed at the 8B shape, ours with store_staging_units 0, 3
 #             reps: the unstaged store GB/s on the same machine (about 1 min, estimated):
@@ -373,7 +374,7 @@ declare -A CMD=(
       --out /root/decode_paths_8b.json"
   [copy-sweep]="bash scripts/gpu/copy_sweep.sh /root/copy"
   [speed-table]="vllm-draft-offload restore-speed --enforce-eager --shape small,llama8b \
-    --configs recompute,native,ours --reps 3 --out /root/restore_speed_table.json"
+    --configs recompute,native,ours,ours_audit --reps 3 --out /root/restore_speed_table.json"
   [copy-table]="bash scripts/gpu/copy_sweep.sh /root/copy-table 32:16:4"
   [l3-probe2]="vllm-draft-offload restore-speed --enforce-eager --configs recompute,ours_l3 --reps 2 \
     --l3-dir /root/l3p2 --drop-caches --engine-timeout 300 --out /root/restore_speed_l3_probe2.json"
