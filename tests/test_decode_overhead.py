@@ -622,6 +622,7 @@ UNSTAGED = {"store_staging_units": 0}
         ("store_decode_dma", {"decode_stores_dma": True, **UNSTAGED}),
         ("store_decode_kernel", {"decode_stores_dma": False, **UNSTAGED}),
         ("store_staged", {"store_staging_units": 8}),
+        ("store_staged1", {"store_staging_units": 1}),
         ("store_unstaged", UNSTAGED),
     ],
 )
@@ -630,9 +631,9 @@ def test_a_store_variant_is_store_with_settings_of_its_own(
 ) -> None:
     """store_thread: the issuer thread; store_decode_dma / store_decode_kernel: decode
     steps' stores by DMA or not, whatever the pages, with staging off (it would take
-    their batches); store_staged / store_unstaged: staging through 8 units, or none.
-    Each is `store` (the defaults) with those settings, and its off batches opt out of
-    stores."""
+    their batches); store_staged / store_staged1 / store_unstaged: staging through 8
+    units, 1, or none. Each is `store` (the defaults) with those settings, and its off
+    batches opt out of stores."""
     from vllm_draft_offload.config import parse_config
 
     store = decode_configs.connector_config("store", 1.5, 128)

@@ -1,11 +1,12 @@
 """Where the connector's log lines go.
 
-Its modules log under ``vllm_draft_offload.*``, outside the ``vllm`` logger, the only one
-vLLM configures (a stderr handler, its format, ``VLLM_LOGGING_LEVEL``; ``vllm`` does not
-propagate to the root). Left alone, Python's last-resort handler prints only warnings,
-so every INFO line (what staging, the copy paths and the tiers chose at start, storage
-decisions) went nowhere in a vLLM process: session 33 found the staging line missing
-from every engine log of an acceptance run.
+Its modules log under ``vllm_draft_offload.*``, outside the ``vllm`` logger, the only
+one vLLM configures (a stderr handler, its format, ``VLLM_LOGGING_LEVEL``; ``vllm`` does
+not propagate to the root). Left alone, Python's last-resort handler prints only
+warnings, so every INFO line (what staging, the copy paths and the tiers chose at start;
+the storage decisions log under ``vllm.draft_offload.l3``, inside vLLM's tree) went
+nowhere in a vLLM process: session 33 found the staging line missing from every engine
+log of an acceptance run.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def route_to_vllm_handlers() -> None:
     there, unless logging is left to the application: a handler on the package already,
     or none on ``vllm`` (``VLLM_CONFIGURE_LOGGING=0``, or no engine configured logging in
     this process). A handler on the root does not count as the application's: in
-    session 33's GPU engines the lines were still missing when the first form of this
-    routing stood aside for one (whose, and at what level, is not known; a library's
-    root handler at Python's default WARNING drops every INFO line). Idempotent; called
+    session 33's GPU engines the lines were still missing with the first form of this
+    routing, which stood aside for any root handler (the likely cause, not recorded; an
+    H100 engine of session 11 printed the package's warnings in ``basicConfig``'s
+    format, so a root handler existed there, and one at the root's default WARNING drops
+    every INFO line). Idempotent; called
     where a connector is built, after vLLM configured logging in that process."""
     package = logging.getLogger(PACKAGE_LOGGER)
     vllm_logger = logging.getLogger(VLLM_LOGGER)

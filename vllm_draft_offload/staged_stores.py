@@ -19,12 +19,13 @@ the DMA runs on a stream of its own, so a wave's gather (on the store stream) ru
 the previous wave's DMA drains the other half. In session 33 (H200), with one wave at a
 time on the store stream, the gather and the DMA ran one after the other and stores
 moved 0.80-0.81 x pinned memcpy at the small and 8B shapes (0.94-0.97 x unstaged on an
-H100 in session 25): by those figures the gather (HBM to HBM) took about a quarter of
-the DMA's time. Overlapped, in the same session, 0.94-0.95 x. Session 32 (H200, 8B shape,
-64 requests, 12 pairs beside the other paths in one run): decode 1.026 x without
-storing, the prefill phase 1.002 x, a storing batch's longest decode step 75-79 ms
-against 73-75 ms without storing (81-216 ms on every other path) and no stall beyond
-the one every batch had.
+H100 in session 25): by those figures the gather (HBM to HBM) took about a fifth of the
+DMA's time (a quarter if the unit DMA alone runs at pinned memcpy speed). Overlapped
+(another machine), in the same session, 0.94-0.95 x. Session 32 (H200, 8B shape, 64
+requests, 12 pairs beside the other paths in one run): decode 1.026 x without storing,
+the prefill phase 1.002 x, a storing batch's longest decode step 75-79 ms against 73-75
+ms without storing (81-216 ms on every other path) and no stall beyond the one every
+batch had.
 
 It applies to a batch only where the pair kernel can move every layer and every unit of
 the batch is stored whole (each group's every page of it), since the DMA writes the

@@ -184,22 +184,23 @@
 #             whether it removes staged batches' 11.8-23.5 ms wait_for_save calls), 12
 #             pairs each, hooks and decode steps timed (about 12 min, estimated):
 #             /root/decode_8b_b64_staged.json
-#   decode-8b-b64-staged2  decode-8b-b64-staged without store_thread (store and
-#             store_unstaged, 12 pairs each; about 8 min, estimated): the default's second
-#             sample and where the unstaged paths' long steps fall, in a lease that also
-#             holds fx accept-llama speed-ours: /root/decode_8b_b64_staged2.json
+#   decode-8b-b64-staged2  decode-8b-b64-staged without store_thread: store (the
+#             default) and store_unstaged, 12 pairs each (H200, session 33: 366 s, one
+#             wave at a time); next, the overlapped staged path's first decode sample:
+#             /root/decode_8b_b64_staged2.json
 #   speed-ours  restore-speed at the small and 8B shapes, ours alone, 3 reps: restore and
-#             store GB/s / the same run's pinned memcpy with staged stores (the default
-#             since session 32; about 3 min, estimated): /root/restore_speed_ours.json
+#             store GB/s / the same run's pinned memcpy with the default's staged stores
+#             (H200, session 33: 106 s): /root/restore_speed_ours.json
 #   speed-staged2  restore-speed at the small and 8B shapes, ours and ours_audit, 3 reps:
 #             staged stores with the gather and the DMA overlapped (two buffer halves,
 #             the DMA on a stream of its own; session 33) against the same run's pinned
-#             memcpy, and every stored unit of ours_audit's hits compared on the GPU with
-#             a recompute of every layer (H200, session 33: about 6.5 min):
+#             memcpy, and every stored unit of ours_audit's hits compared with a
+#             recompute of every layer (on the host, within the audit's tolerance; about
+#             6.5 min, estimated from session 33's engines, where it was cut short):
 #             /root/restore_speed_staged2.json
 #   speed-unstaged8b  restore-speed at the 8B shape, ours with store_staging_units 0, 3
-#             reps: the unstaged store GB/s on the same machine (about 1 min, estimated):
-#             /root/restore_speed_unstaged8b.json
+#             reps: the unstaged store GB/s on the same machine (about 1.5 min,
+#             estimated): /root/restore_speed_unstaged8b.json
 #   l3-reads12  l3-restart with a warm restart on 12 read threads and 8 write threads
 #             (variant reads12), raw reads on 8 and 12 threads (H200, session 27: 5.3
 #             min): /root/restore_speed_l3_reads12.json

@@ -19,6 +19,7 @@ CONFIGS = (
     "store_decode_dma",
     "store_decode_kernel",
     "store_staged",
+    "store_staged1",
     "store_unstaged",
 )
 # `store` with its copies forced onto one path (copy_path memcpy or kernel), so one run
@@ -44,6 +45,9 @@ EXTRA_SETTINGS: dict[str, dict[str, Any]] = {
     # default would size: gathered there by the pair kernel, then one DMA a unit
     # (staged_stores.py)
     "store_staged": {"store_staging_units": 8},
+    # a one-unit buffer: each unit gathered, then moved, nothing overlapped (a larger
+    # buffer's halves overlap a wave's gather with the previous wave's DMAs)
+    "store_staged1": {"store_staging_units": 1},
     # the default before session 32: no staging (decode steps' stores by DMA where pages
     # are at least 48 KiB, the rest on copy_path's route)
     "store_unstaged": {"store_staging_units": 0},

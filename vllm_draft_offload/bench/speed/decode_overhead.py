@@ -32,6 +32,9 @@ own engine (a child process), one after another, ``--rounds`` times alternating:
 * ``store_staged``: ``store`` with ``store_staging_units`` 8: every store gathered by
   the pair kernel into a GPU buffer, then one DMA a unit. ``store`` itself takes the
   default, which stages on CUDA through up to 8 units (staged_stores.staging_units);
+* ``store_staged1``: ``store`` with a one-unit staging buffer: one region, so each unit
+  is gathered and then moved with nothing overlapped (since session 33 a larger buffer's
+  halves overlap one wave's gather with the previous wave's DMAs);
 * ``store_unstaged``: ``store`` with staging off (the default before session 32:
   ``decode_stores_dma``'s default, on where every page is at least 48 KiB).
 

@@ -57,7 +57,7 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any] | None:
             extra["store_staging_units"] = args.store_staging_units
         if args.config == "ours_audit":
             # Every hit recomputes instead and compares the stored units, every layer,
-            # with what it computed: what the store path wrote, checked on the GPU.
+            # with what it computed: what the GPU's store path wrote, checked (on the host).
             extra["audit_recompute_fraction"] = 1.0
         if args.config.startswith("ours_l3"):
             # Defaults unless a flag says otherwise: the benchmark measures what a user

@@ -122,8 +122,8 @@ def summarize(report: dict[str, Any]) -> None:
         )
     audit = configs.get("ours_audit", {}).get("audit_recompute_units")
     if audit is not None:
-        # What the store path wrote, compared on the GPU with a recompute: any mismatch
-        # is wrong KV in the CPU tier.
+        # What the store path wrote, compared with a recompute (on the host, within the
+        # audit's tolerance): any mismatch is wrong KV in the CPU tier.
         stores = configs["ours_audit"].get("store_GBps_metric") or []
         summary["ours_audit"] = {
             **audit,
