@@ -88,7 +88,7 @@
 #             table (about 3 min, estimated): /root/copy
 #   speed-table  restore-speed at the small and 8B shapes: recompute, native, ours and
 #             ours_audit (the stored units checked against a recompute), 3 reps (issue 13's
-#             one speed table; about 11 min, estimated from session 33's engines)
+#             one speed table; about 13 min, estimated from session 33's engines)
 #   copy-table  the same for the connector's kernel shape alone, then the default table
 #             (about 1.5 min, estimated): /root/copy-table
 #   l3-probe2  restore-speed, recompute and ours_l3, 2 reps, restarts warmed up with a
