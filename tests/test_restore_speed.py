@@ -249,6 +249,29 @@ def test_short_hits_reach_each_engine_and_bad_counts_are_refused(
     assert cmd[cmd.index("--short-hit-chunks") + 1] == "2"
 
 
+def test_a_staging_setting_of_0_reaches_the_engines_and_none_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--store-staging-units 0 (stores unstaged) is handed on, not dropped as falsy;
+    without the flag the engines keep the connector's default."""
+    commands: list[list[str]] = []
+
+    def engine(cmd: list[str], env: dict[str, str], timeout_s: float | None):  # noqa: ANN202
+        commands.append(cmd)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(restore_speed, "run_child", engine)
+    for staging in (["--store-staging-units", "0"], []):
+        with pytest.raises(SystemExit):
+            restore_speed.main(
+                ["--out", str(tmp_path / "y.json"), "--shape", "small", "--configs", "ours",
+                 "--l3-dir", str(tmp_path / "l3"), *staging]
+            )  # fmt: skip
+    given, default = commands
+    assert given[given.index("--store-staging-units") + 1] == "0"
+    assert "--store-staging-units" not in default
+
+
 def test_connector_log_keeps_decisions_and_the_tail() -> None:
     output = "\n".join(
         ["vLLM noise"] * 50

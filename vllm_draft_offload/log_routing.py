@@ -35,8 +35,8 @@ def route_to_vllm_handlers() -> None:
     routing, which stood aside for any root handler (the likely cause, not recorded; an
     H100 engine of session 11 printed the package's warnings in ``basicConfig``'s
     format, so a root handler existed there, and one at the root's default WARNING drops
-    every INFO line). Idempotent; called
-    where a connector is built, after vLLM configured logging in that process."""
+    every INFO line). Idempotent; called where a connector is built, after vLLM
+    configured logging in that process."""
     package = logging.getLogger(PACKAGE_LOGGER)
     vllm_logger = logging.getLogger(VLLM_LOGGER)
     if package.handlers or not vllm_logger.handlers:

@@ -366,11 +366,10 @@ def run_shape(
             ("--copy-path", args.copy_path),
             ("--restart-warmup-tokens", args.restart_warmup_tokens),
             ("--short-hit-chunks", args.short_hit_chunks),
+            ("--store-staging-units", args.store_staging_units),
         ):
-            if value:
+            if value is not None:  # a 0 given is passed on (store_staging_units 0: off)
                 cmd += [flag, str(value)]
-        if args.store_staging_units is not None:  # 0 (off) included
-            cmd += ["--store-staging-units", str(args.store_staging_units)]
         if getattr(args, "l3_spread_reads", False):
             cmd.append("--l3-spread-reads")
         if config in variants:

@@ -35,6 +35,13 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+def _store_gbps(result: dict[str, Any]) -> float | None:
+    """An engine's median store GB/s: GPU time of the connector's own device->host
+    copies of the fresh prompts (None if none was timed)."""
+    stores = result.get("store_GBps_metric") or []
+    return _median(stores) if stores else None
+
+
 def summarize(report: dict[str, Any]) -> None:
     configs = report["configs"]
     recompute = configs.get("recompute", {})
@@ -105,9 +112,7 @@ def summarize(report: dict[str, Any]) -> None:
             summary["ours"]["restore_GBps_connector"] / pinned
         )
     if "ours" in summary:
-        # GPU time of the connector's own device->host copies of the fresh prompts.
-        stores = configs["ours"].get("store_GBps_metric") or []
-        store = _median(stores) if stores else None
+        store = _store_gbps(configs["ours"])
         pinned_d2h = report.get("pinned_d2h_GBps")
         summary["ours"]["store_GBps_connector"] = store
         summary["ours"]["store_vs_pinned_memcpy"] = (
@@ -124,10 +129,9 @@ def summarize(report: dict[str, Any]) -> None:
     if audit is not None:
         # What the store path wrote, compared with a recompute (on the host, within the
         # audit's tolerance): any mismatch is wrong KV in the CPU tier.
-        stores = configs["ours_audit"].get("store_GBps_metric") or []
         summary["ours_audit"] = {
             **audit,
-            "store_GBps_connector": _median(stores) if stores else None,
+            "store_GBps_connector": _store_gbps(configs["ours_audit"]),
             "all_ok": audit.get("ok", 0) > 0
             and not audit.get("mismatch")
             and not audit.get("error"),
